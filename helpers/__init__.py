@@ -1,0 +1,27 @@
+"""Tested building blocks of the course "GPT from scratch, fast"; notebooks import them."""
+
+from .config import PRESETS, GPTConfig
+from .data import load_corpus, load_token_ids, make_dataloader, train_val_split
+from .device import autocast_dtype, detect_capabilities, needs_grad_scaler
+from .env import environment_line, environment_report
+from .model import GPT
+from .scale import by_scale, current_scale
+from .tokenizer import get_tokenizer
+
+__all__ = [
+    "GPT",
+    "PRESETS",
+    "GPTConfig",
+    "autocast_dtype",
+    "by_scale",
+    "current_scale",
+    "detect_capabilities",
+    "environment_line",
+    "environment_report",
+    "get_tokenizer",
+    "load_corpus",
+    "load_token_ids",
+    "make_dataloader",
+    "needs_grad_scaler",
+    "train_val_split",
+]

@@ -1,0 +1,154 @@
+"""GPT-2 in one screen: embeddings, pre-LayerNorm transformer blocks, tied LM head, generation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import CausalSelfAttention, check_attn_implementation
+from .config import GPTConfig
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP: d -> 4d -> d with GELU (tanh approximation, as GPT-2 was trained)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, 4 * config.d_model, bias=config.bias)
+        self.act = nn.GELU(approximate="tanh")
+        self.proj = nn.Linear(4 * config.d_model, config.d_model, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(self.act(self.fc(x))))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig, attn_implementation: str) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.attn = CausalSelfAttention(
+            config.d_model, config.n_heads, config.dropout, config.bias, attn_implementation
+        )
+        self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.mlp = FeedForward(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2-architecture language model; `forward` maps token ids to next-token logits."""
+
+    def __init__(self, config: GPTConfig, attn_implementation: str = "sdpa") -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.context_length, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(config, attn_implementation) for _ in range(config.n_layers)
+        )
+        self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 * n_layers),
+        # so the residual's variance does not grow with depth.
+        for block in self.blocks:
+            for proj in (block.attn.out_proj, block.mlp.proj):
+                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    @property
+    def attn_implementation(self) -> str:
+        return self.blocks[0].attn.attn_implementation
+
+    def set_attn_implementation(self, name: str) -> GPT:
+        """Switch the attention kernel in place; weights are untouched."""
+        check_attn_implementation(name)
+        for block in self.blocks:
+            block.attn.attn_implementation = name
+        return self
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count; a tied LM head is counted once (as GPT-2's 124M is)."""
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields shared tensors once
+        if exclude_embeddings:
+            n -= self.pos_emb.weight.numel() + self.tok_emb.weight.numel()
+        return n
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, seq) -> logits (batch, seq, vocab_size)."""
+        if idx.dim() != 2:
+            raise ValueError(f"expected token ids of shape (batch, seq), got shape {tuple(idx.shape)}")
+        seq = idx.size(1)
+        if seq > self.config.context_length:
+            raise ValueError(
+                f"input has {seq} tokens but the context length is {self.config.context_length}; "
+                "truncate the input or use a config with a longer context_length"
+            )
+        pos = torch.arange(seq, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Append `max_new_tokens` tokens to `idx` (batch, seq).
+
+        temperature 0 is greedy decoding; otherwise sample from softmax(logits / temperature),
+        restricted to the `top_k` most likely tokens when given. Once the sequence is longer than
+        the context, the model sees its last `context_length` tokens (a sliding window).
+        """
+        if idx.dim() != 2:
+            raise ValueError(f"expected a prompt of shape (batch, seq), got shape {tuple(idx.shape)}")
+        ctx = self.config.context_length
+        if idx.size(1) > ctx:
+            raise ValueError(
+                f"the prompt has {idx.size(1)} tokens but the context length is {ctx}; "
+                f"shorten the prompt (e.g. keep its last {ctx} tokens)"
+            )
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
+            raise ValueError(f"top_k must be in [1, {self.config.vocab_size}], got {top_k}")
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                logits = self(idx[:, -ctx:])[:, -1, :].float()
+                if temperature == 0.0:
+                    next_id = logits.argmax(dim=-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k is not None:
+                        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    probs = F.softmax(logits, dim=-1)
+                    next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+                idx = torch.cat([idx, next_id], dim=1)
+        finally:
+            self.train(was_training)
+        return idx

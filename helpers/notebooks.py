@@ -1,0 +1,90 @@
+"""Running the course's notebooks headless, and keeping their first (bootstrap) cell in sync.
+
+The repository address lives here, once: `python -m helpers sync-bootstrap` writes it into the
+first cell of every notebook, so a fork changes `REPOSITORY_URL` and runs that command.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+REPOSITORY_URL = "https://github.com/gpt-from-scratch-fast/gpt-from-scratch-fast"
+ROOT = Path(__file__).resolve().parent.parent
+
+BOOTSTRAP_SOURCE = '''\
+# Setup: make `helpers` importable (in a clone, a fresh Jupyter or Colab), then print the environment.
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+REPOSITORY_URL = "{url}"
+if importlib.util.find_spec("helpers") is None:
+    here = pathlib.Path.cwd().resolve()
+    clone = next((p for p in (here, *here.parents) if (p / "helpers" / "__init__.py").is_file()), None)
+    source = str(clone) if clone else f"git+{{REPOSITORY_URL}}"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", source], check=True)
+    importlib.invalidate_caches()
+
+import helpers
+
+print(helpers.environment_line())'''
+
+
+def bootstrap_source(url: str = REPOSITORY_URL) -> str:
+    return BOOTSTRAP_SOURCE.format(url=url)
+
+
+def find_notebooks(root: Path = ROOT) -> list[Path]:
+    """Every course notebook, in chapter order."""
+    return sorted(p for p in root.glob("ch*/**/*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+
+
+def sync_bootstrap(path: Path, url: str = REPOSITORY_URL) -> bool:
+    """Make the notebook's first cell the bootstrap cell; True when the file changed."""
+    nb = nbformat.read(path, as_version=4)
+    source = bootstrap_source(url)
+    first = nb.cells[0] if nb.cells else None
+    if first is not None and first.cell_type == "code" and first.source == source:
+        return False
+    if first is not None and first.cell_type == "code" and "REPOSITORY_URL" in first.source:
+        first.source = source
+    else:
+        nb.cells.insert(0, nbformat.v4.new_code_cell(source))
+    nbformat.write(nb, path)
+    return True
+
+
+@dataclass
+class NotebookRun:
+    path: Path
+    seconds: float
+    error: str | None = None
+
+
+def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
+                     timeout: int = 900) -> NotebookRun:
+    """Run every cell in a fresh kernel (in the notebook's folder); optionally save the result."""
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    env = dict(os.environ, COURSE_SMOKE="1" if smoke else "0")
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    start = time.perf_counter()
+    error = None
+    try:
+        client.execute(env=env)
+    except CellExecutionError as err:
+        error = str(err)
+    seconds = time.perf_counter() - start
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, output)
+    return NotebookRun(path, seconds, error)

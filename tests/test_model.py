@@ -1,0 +1,142 @@
+"""The GPT against PyTorch's own transformer layers, and generation behaviour."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers import GPT, GPTConfig
+from helpers.attention import CausalSelfAttention
+
+TINY = GPTConfig(vocab_size=97, context_length=32, d_model=48, n_heads=4, n_layers=2, dropout=0.0)
+
+
+def causal_mask(seq):
+    return torch.ones(seq, seq, dtype=torch.bool).triu(1)
+
+
+def reference_layer(block) -> nn.TransformerEncoderLayer:
+    """PyTorch's pre-LN encoder layer (causal mask = a decoder block) with the block's weights."""
+    d = block.ln1.normalized_shape[0]
+    layer = nn.TransformerEncoderLayer(
+        d, block.attn.n_heads, dim_feedforward=block.mlp.fc.out_features, dropout=0.0,
+        activation=lambda x: F.gelu(x, approximate="tanh"), batch_first=True, norm_first=True,
+        dtype=torch.float64,
+    )
+    with torch.no_grad():
+        layer.self_attn.in_proj_weight.copy_(block.attn.qkv.weight)
+        layer.self_attn.in_proj_bias.copy_(block.attn.qkv.bias)
+        layer.self_attn.out_proj.weight.copy_(block.attn.out_proj.weight)
+        layer.self_attn.out_proj.bias.copy_(block.attn.out_proj.bias)
+        for ours, theirs in ((block.ln1, layer.norm1), (block.ln2, layer.norm2),
+                             (block.mlp.fc, layer.linear1), (block.mlp.proj, layer.linear2)):
+            theirs.weight.copy_(ours.weight)
+            theirs.bias.copy_(ours.bias)
+    return layer.eval()
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize(("batch", "seq"), [(1, 1), (2, 7), (3, 32)])
+def test_logits_match_pytorch_transformer_layers(attn_implementation, batch, seq):
+    torch.manual_seed(0)
+    model = GPT(TINY, attn_implementation=attn_implementation).double().eval()
+    idx = torch.randint(0, TINY.vocab_size, (batch, seq))
+    x = model.tok_emb.weight[idx] + model.pos_emb.weight[:seq]
+    for block in model.blocks:
+        x = reference_layer(block)(x, src_mask=causal_mask(seq))
+    ln_f = model.ln_f
+    expected = F.layer_norm(x, (TINY.d_model,), ln_f.weight, ln_f.bias) @ model.tok_emb.weight.T
+    torch.testing.assert_close(model(idx), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_attention_matches_nn_multihead_attention_with_gradients():
+    torch.manual_seed(0)
+    ours = CausalSelfAttention(48, 4, attn_implementation="eager").double()
+    ref = nn.MultiheadAttention(48, 4, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(ours.qkv.weight)
+        ref.in_proj_bias.copy_(ours.qkv.bias)
+        ref.out_proj.weight.copy_(ours.out_proj.weight)
+        ref.out_proj.bias.copy_(ours.out_proj.bias)
+    x = torch.randn(2, 11, 48, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y = ours(x)
+    y_ref = ref(x_ref, x_ref, x_ref, attn_mask=causal_mask(11), need_weights=False)[0]
+    torch.testing.assert_close(y, y_ref)
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(ours.qkv.weight.grad, ref.in_proj_weight.grad)
+
+
+def test_eager_and_sdpa_agree_in_float32_and_switch_in_place():
+    torch.manual_seed(0)
+    model = GPT(TINY).eval()
+    idx = torch.randint(0, TINY.vocab_size, (2, 32))
+    sdpa = model(idx)
+    assert model.set_attn_implementation("eager").attn_implementation == "eager"
+    torch.testing.assert_close(model(idx), sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_causality_future_tokens_do_not_change_past_logits():
+    torch.manual_seed(0)
+    model = GPT(TINY).eval()
+    idx = torch.randint(0, TINY.vocab_size, (1, 20))
+    changed = idx.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % TINY.vocab_size
+    torch.testing.assert_close(model(idx)[:, :10], model(changed)[:, :10])
+
+
+def test_unknown_attention_and_context_overflow_are_clear_errors():
+    with pytest.raises(ValueError, match="valid names: eager, sdpa"):
+        GPT(TINY, attn_implementation="flash")
+    with pytest.raises(ValueError, match="context length is 32"):
+        GPT(TINY)(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_greedy_generation_equals_argmax_loop():
+    torch.manual_seed(0)
+    model = GPT(TINY).eval()
+    prompt = torch.randint(0, TINY.vocab_size, (2, 5))
+    expected = prompt
+    for _ in range(6):
+        expected = torch.cat([expected, model(expected)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(model.generate(prompt, 6), expected)
+
+
+def test_generation_past_the_context_uses_a_sliding_window():
+    torch.manual_seed(0)
+    model = GPT(TINY).eval()
+    prompt = torch.randint(0, TINY.vocab_size, (1, 30))
+    out = model.generate(prompt, 5)
+    assert out.shape == (1, 35)
+    last = model(out[:, -33:-1])[:, -1].argmax(-1)  # the final token saw the last 32 tokens
+    assert out[0, -1] == last[0]
+
+
+def test_sampling_is_seeded_and_top_k_restricts_the_choice():
+    torch.manual_seed(0)
+    model = GPT(TINY).eval()
+    prompt = torch.randint(0, TINY.vocab_size, (4, 3))
+
+    def sample(**kw):
+        return model.generate(prompt, 8, generator=torch.Generator().manual_seed(7), **kw)
+
+    assert torch.equal(sample(temperature=1.0), sample(temperature=1.0))
+    assert torch.equal(sample(temperature=1.0, top_k=1), model.generate(prompt, 8))
+    out = sample(temperature=2.0, top_k=3)
+    for t in range(3, out.size(1)):
+        top3 = model(out[:, :t])[:, -1].topk(3).indices
+        assert (top3 == out[:, t : t + 1]).any(dim=1).all()
+
+
+def test_generation_restores_training_mode_and_rejects_bad_arguments():
+    model = GPT(TINY).train()
+    model.generate(torch.zeros(1, 1, dtype=torch.long), 1)
+    assert model.training
+    with pytest.raises(ValueError, match="prompt has 33 tokens but the context length is 32"):
+        model.generate(torch.zeros(1, 33, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match="top_k must be in"):
+        model.generate(torch.zeros(1, 1, dtype=torch.long), 1, temperature=1.0, top_k=0)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        model.generate(torch.zeros(1, 1, dtype=torch.long), 1, temperature=-1.0)
