@@ -1,7 +1,7 @@
-"""Running the course's notebooks headless, and keeping their first (bootstrap) cell in sync.
+"""Running the course's notebooks headless, and keeping their first code cell (the bootstrap) in sync.
 
 The repository address lives here, once: `python -m helpers sync-bootstrap` writes it into the
-first cell of every notebook, so a fork changes `REPOSITORY_URL` and runs that command.
+first code cell of every notebook, so a fork changes `REPOSITORY_URL` and runs that command.
 """
 
 from __future__ import annotations
@@ -48,16 +48,17 @@ def find_notebooks(root: Path = ROOT) -> list[Path]:
 
 
 def sync_bootstrap(path: Path, url: str = REPOSITORY_URL) -> bool:
-    """Make the notebook's first cell the bootstrap cell; True when the file changed."""
+    """Make the notebook's first code cell the bootstrap cell; True when the file changed."""
     nb = nbformat.read(path, as_version=4)
     source = bootstrap_source(url)
-    first = nb.cells[0] if nb.cells else None
-    if first is not None and first.cell_type == "code" and first.source == source:
+    first = next((c for c in nb.cells if c.cell_type == "code"), None)
+    if first is not None and first.source == source:
         return False
-    if first is not None and first.cell_type == "code" and "REPOSITORY_URL" in first.source:
+    if first is not None and "REPOSITORY_URL" in first.source:
         first.source = source
-    else:
-        nb.cells.insert(0, nbformat.v4.new_code_cell(source))
+    else:  # no bootstrap yet: insert it after the leading markdown (title and introduction)
+        at = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"), len(nb.cells))
+        nb.cells.insert(at, nbformat.v4.new_code_cell(source))
     nbformat.write(nb, path)
     return True
 

@@ -1,0 +1,46 @@
+"""Packaging: what the README promises about installing stays true."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = pytest.importorskip("tomli")
+
+
+def requirement_lines(text: str) -> dict[str, str]:
+    found = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, spec = re.match(r"([A-Za-z0-9._-]+)(.*)", line).groups()
+            found[name.lower()] = spec.strip()
+    return found
+
+
+def test_package_dependencies_match_requirements_txt():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pinned = requirement_lines((ROOT / "requirements.txt").read_text())
+    for dep in deps:
+        name, spec = re.match(r"([A-Za-z0-9._-]+)(.*)", dep).groups()
+        assert pinned.get(name.lower()) == spec, f"{dep} differs from requirements.txt"
+
+
+def test_helpers_import_from_anywhere(tmp_path):
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", "import helpers; print(helpers.GPT.__name__)"],
+                         cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "GPT"
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make test" in readme and re.search(r"^\s*make test\b", ci, re.M)
