@@ -56,7 +56,7 @@ class CausalSelfAttention(nn.Module):
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         self.n_heads = n_heads
-        self.dropout = dropout
+        self.attn_dropout = dropout  # on the attention weights, inside the kernel
         self.attn_implementation = check_attn_implementation(attn_implementation)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
@@ -68,6 +68,6 @@ class CausalSelfAttention(nn.Module):
         # (batch, seq, d_model) -> (batch, heads, seq, head_dim)
         q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
         kernel = ATTENTION_KERNELS[self.attn_implementation]
-        y = kernel(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        y = kernel(q, k, v, dropout_p=self.attn_dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(batch, seq, d_model)
         return self.resid_dropout(self.out_proj(y))

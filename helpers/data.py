@@ -83,8 +83,13 @@ def fetch(remote: RemoteText, directory: Path | None = None, timeout: float = 30
 def load_corpus(name: str = DEFAULT_CORPUS) -> str:
     """The text of a corpus: "python-docs" (offline, default) or a downloadable one."""
     if name == DEFAULT_CORPUS:
-        from pydoc_data.topics import topics
-
+        try:
+            from pydoc_data.topics import topics
+        except ImportError as err:
+            raise RuntimeError(
+                "this Python lacks pydoc_data (some Linux distributions ship it separately, e.g. in "
+                "libpython3-stdlib); install it, or use load_corpus('tiny-shakespeare') when online"
+            ) from err
         return "\n\n".join(topics[key] for key in sorted(topics))
     if name in REMOTE_CORPORA:
         return fetch(REMOTE_CORPORA[name]).read_text(encoding="utf-8")

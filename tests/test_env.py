@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ def test_env_json_has_the_documented_keys():
     assert {"python", "torch", "device", "bf16", "flash_attn", "sdpa_backends", "cpu_threads"} <= set(report)
     assert report["torch"] == torch.__version__
     assert report["flash_attn"] == version_of("flash_attn")
+    text = subprocess.run([sys.executable, "-m", "helpers", "env"], capture_output=True, text=True, check=True).stdout
+    assert re.search(rf"^torch\s+: {re.escape(torch.__version__)}$", text, re.M)
 
 
 def test_math_backend_always_runs_and_mem_efficient_never_on_cpu():

@@ -1,5 +1,7 @@
 """The GPT against PyTorch's own transformer layers, and generation behaviour."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -140,3 +142,12 @@ def test_generation_restores_training_mode_and_rejects_bad_arguments():
         model.generate(torch.zeros(1, 1, dtype=torch.long), 1, temperature=1.0, top_k=0)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         model.generate(torch.zeros(1, 1, dtype=torch.long), 1, temperature=-1.0)
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_dropout_acts_in_training_only(attn_implementation):
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(TINY, dropout=0.2), attn_implementation=attn_implementation)
+    idx = torch.randint(0, TINY.vocab_size, (2, 16))
+    assert not torch.equal(model.train()(idx), model(idx))
+    assert torch.equal(model.eval()(idx), model(idx))
