@@ -1,4 +1,4 @@
-"""Command line: `python -m helpers env [--json]`, `run-notebooks`, `sync-bootstrap`."""
+"""Command line: `python -m helpers env [--json]`, `bench-attention`, `run-notebooks`, `sync-bootstrap`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,28 @@ def _env(args: argparse.Namespace) -> int:
     report = environment_report()
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
+
+
+def _bench_attention(args: argparse.Namespace) -> int:
+    from .attention_bench import bench_attention, format_results, results_as_dicts
+    from .device import default_device_type
+    from .scale import by_scale, current_scale
+
+    device = args.device or default_device_type()
+    batch, seq, d_model, heads = by_scale(current_scale(device), smoke=(2, 128, 128, 4), cpu=(2, 1024, 768, 12),
+                                          gpu=(8, 1024, 768, 12))
+    results = bench_attention(
+        batch=args.batch or batch, seq=args.seq or seq, d_model=args.d_model or d_model, heads=args.heads or heads,
+        dtype=args.dtype, device=device, mode=args.mode, names=args.only, min_run_time=args.min_run_time,
+        memory=not args.no_memory,
+    )
+    if args.json:
+        print(json.dumps(results_as_dicts(results), indent=2))
+    else:
+        r = results[0]
+        print(f"{r.mode}: batch {r.batch}, seq {r.seq}, d_model {r.d_model}, {r.heads} heads, {r.dtype} on {r.device}")
+        print(format_results(results))
+    return 1 if any(r.status == "error" for r in results) else 0
 
 
 def _run_notebooks(args: argparse.Namespace) -> int:
@@ -52,6 +74,25 @@ def main(argv: list[str] | None = None) -> int:
     env = commands.add_parser("env", help="print the environment report")
     env.add_argument("--json", action="store_true", help="one JSON object instead of text")
     env.set_defaults(func=_env)
+
+    from .attention import IMPLEMENTATIONS
+    from .attention_bench import DTYPES, MODES
+
+    bench = commands.add_parser("bench-attention", help="time every attention implementation on the same weights")
+    bench.add_argument("--batch", type=int, help="default: by scale (smoke 2, cpu 2, gpu 8)")
+    bench.add_argument("--seq", type=int, help="default: by scale (smoke 128, cpu/gpu 1024)")
+    bench.add_argument("--d-model", type=int, help="default: by scale (smoke 128, cpu/gpu 768)")
+    bench.add_argument("--heads", type=int, help="default: by scale (smoke 4, cpu/gpu 12)")
+    bench.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    bench.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: the best available")
+    bench.add_argument("--mode", choices=MODES, default="fwd",
+                       help="fwd, fwdbwd (forward + backward), compiled (forward of torch.compile(module))")
+    bench.add_argument("--only", nargs="+", choices=list(IMPLEMENTATIONS), metavar="NAME",
+                       help=f"implementations to run (default: all of {', '.join(IMPLEMENTATIONS)})")
+    bench.add_argument("--min-run-time", type=float, default=0.5, help="seconds of timed runs per implementation")
+    bench.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    bench.add_argument("--json", action="store_true", help="a JSON list instead of a table")
+    bench.set_defaults(func=_bench_attention)
 
     run = commands.add_parser("run-notebooks", help="execute notebooks headless into a report folder")
     run.add_argument("notebooks", nargs="*", help="notebooks to run (default: every chapter's)")

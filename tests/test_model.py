@@ -90,7 +90,7 @@ def test_causality_future_tokens_do_not_change_past_logits():
 
 
 def test_unknown_attention_and_context_overflow_are_clear_errors():
-    with pytest.raises(ValueError, match="valid names: eager, sdpa"):
+    with pytest.raises(ValueError, match="valid names: wrapper, stacked, eager"):
         GPT(TINY, attn_implementation="flash")
     with pytest.raises(ValueError, match="context length is 32"):
         GPT(TINY)(torch.zeros(1, 33, dtype=torch.long))

@@ -18,7 +18,8 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
-def test_notebook_runs_at_smoke_scale(path, tmp_path):
+def test_notebook_runs_at_smoke_scale(path, tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # run as a learner would (conftest sets it for unit tests)
     run = execute_notebook(path, tmp_path / path.name, smoke=True, timeout=300)
     assert run.error is None, run.error[-4000:]
 

@@ -1,0 +1,141 @@
+"""Every attention implementation against a float64 reference: outputs and gradients."""
+
+import copy
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import GPT, GPTConfig
+from helpers.attention import IMPLEMENTATIONS, CausalSelfAttention, unavailable_reason
+from helpers.attention_bench import flash_refusal, sdpa_backend_used
+
+NAMES = list(IMPLEMENTATIONS)
+# (batch, seq, d_in, d_model, heads): batch 1, seq 1, lengths that are neither powers of two nor
+# multiples of a block, d_in != d_model.
+SHAPES = [(1, 1, 24, 32, 4), (2, 37, 24, 32, 4), (1, 67, 32, 32, 2), (3, 130, 48, 64, 4)]
+
+
+def reference_attention(x, qkv_w, qkv_b, out_w, out_b, heads):
+    """softmax(QK^T / sqrt(d) + causal mask) V per head, then the output projection."""
+    batch, seq, _ = x.shape
+    q, k, v = (x @ qkv_w.T + qkv_b).chunk(3, dim=-1)
+    q, k, v = (t.view(batch, seq, heads, -1).transpose(1, 2) for t in (q, k, v))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    y = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(batch, seq, -1)
+    return y @ out_w.T + out_b
+
+
+def make_case(name, shape, requires_grad):
+    batch, seq, d_in, d_model, heads = shape
+    reason = unavailable_reason(name, "cpu", torch.float32, d_in, d_model, backward=requires_grad)
+    if reason:
+        pytest.skip(f"{name}: {reason}")
+    torch.manual_seed(0)
+    module = CausalSelfAttention(d_model, heads, attn_implementation=name, d_in=d_in)
+    x = torch.randn(batch, seq, d_in, requires_grad=requires_grad)
+    params = [module.qkv.weight, module.qkv.bias, module.out_proj.weight, module.out_proj.bias]
+    ref_inputs = [t.detach().double().requires_grad_(requires_grad) for t in (x, *params)]
+    return module, x, params, ref_inputs, heads
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_matches_float64_reference(name, shape):
+    module, x, _, ref_inputs, heads = make_case(name, shape, requires_grad=False)
+    with torch.no_grad():
+        out = module(x)
+    expected = reference_attention(*ref_inputs, heads)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", NAMES)
+def test_gradients_match_float64_reference(name, shape):
+    module, x, params, ref_inputs, heads = make_case(name, shape, requires_grad=True)
+    grad_out = torch.randn(shape[0], shape[1], shape[3])
+    module(x).backward(grad_out)
+    reference_attention(*ref_inputs, heads).backward(grad_out.double())
+    for ours, ref in zip((x, *params), ref_inputs, strict=True):
+        torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_unavailable_implementations_say_why():
+    assert "d_in == d_model" in unavailable_reason("nn_mha", "cpu", torch.float32, 24, 32)
+    assert "no backward pass on CPU" in unavailable_reason("flex_attention", "cpu", torch.float32, backward=True)
+    assert unavailable_reason("flex_attention", "cpu", torch.float32) is None
+    assert "attention dropout" in unavailable_reason("flash_torch", "cpu", torch.float32, dropout=0.1)
+    module = CausalSelfAttention(32, 4, dropout=0.1, attn_implementation="flash_torch").train()
+    with pytest.raises(RuntimeError, match="'flash_torch' cannot run here: .*no attention dropout"):
+        module(torch.randn(1, 5, 32))
+    if torch.cuda.is_available() is False:
+        with pytest.raises(RuntimeError, match="flash_attention_2"):
+            CausalSelfAttention(32, 4, attn_implementation="flash_attention_2")(torch.randn(1, 5, 32))
+
+
+def test_gpt_gives_the_same_logits_under_every_available_implementation():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=101, context_length=48, d_model=64, n_heads=4, n_layers=2, dropout=0.0))
+    model.eval()
+    idx = torch.randint(0, 101, (2, 45))
+    with torch.no_grad():
+        expected = model(idx)
+        ran = []
+        for name in NAMES:
+            if unavailable_reason(name, "cpu", torch.float32, 64, 64) is None:
+                torch.testing.assert_close(copy.deepcopy(model).set_attn_implementation(name)(idx), expected,
+                                           rtol=1e-4, atol=1e-4)
+                ran.append(name)
+    assert {"eager", "sdpa", "flex_attention", "flash_torch"} <= set(ran)
+
+
+def test_which_sdpa_backend_ran_on_cpu():
+    q = torch.randn(1, 2, 64, 32)
+    assert sdpa_backend_used(q, q, q, is_causal=True) == "flash_attention"
+    assert sdpa_backend_used(q, q, q, is_causal=True, dropout_p=0.5) == "math"
+    assert flash_refusal(q, q, q, is_causal=True) is None
+    assert "dropout" in flash_refusal(q, q, q, is_causal=True, dropout_p=0.5)
+
+
+def test_bench_attention_cli_json():
+    out = subprocess.run(
+        [sys.executable, "-m", "helpers", "bench-attention", "--batch", "1", "--seq", "32", "--d-model", "32",
+         "--heads", "2", "--mode", "fwdbwd", "--json", "--min-run-time", "0.01", "--only", "sdpa", "eager",
+         "flex_attention", "flash_attention_2"],
+        capture_output=True, text=True, check=True).stdout
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert set(rows) == {"sdpa", "eager", "flex_attention", "flash_attention_2"}
+    for row in rows.values():
+        assert {"name", "status", "median_ms", "peak_mem_bytes", "ratio_vs_sdpa", "reason"} <= set(row)
+    assert rows["sdpa"]["status"] == "ok" and rows["sdpa"]["ratio_vs_sdpa"] == 1.0
+    assert rows["eager"]["median_ms"] > 0 and rows["eager"]["peak_mem_bytes"] >= 0
+    assert rows["flex_attention"]["status"] == "skipped" and "CPU" in rows["flex_attention"]["reason"]
+    if not torch.cuda.is_available():
+        assert rows["flash_attention_2"]["status"] == "skipped" and rows["flash_attention_2"]["reason"]
+
+
+def test_tiled_and_fused_attention_peak_memory_is_a_fraction_of_eager():
+    from helpers.attention_bench import bench_attention
+
+    rows = {r.name: r.peak_mem_bytes for r in bench_attention(1, 2048, 64, 4, mode="fwd", min_run_time=0.01,
+                                                              names=["eager", "sdpa", "flash_torch"])}
+    scores = 4 * 2048 * 2048 * 4  # one float32 score matrix
+    assert rows["eager"] > scores  # eager holds at least the T x T scores
+    assert rows["flash_torch"] < rows["eager"] / 5
+    assert rows["sdpa"] < rows["eager"] / 5
+
+
+def test_gpu_benchmark_script_runs_in_smoke_mode(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "ch03_attention" / "gpu_benchmark.py"
+    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], check=True,
+                   capture_output=True, text=True)
+    (result,) = tmp_path.glob("attention_*.json")
+    run = json.loads(result.read_text())
+    assert set(run["modes"]) == {"fwd", "fwdbwd", "compiled"}
+    assert {r["name"] for r in run["modes"]["fwd"]} == set(IMPLEMENTATIONS)
+    assert run["max_seq"]["sdpa"] == 128 and list(tmp_path.glob("attention_*.png"))
