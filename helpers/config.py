@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 GPT2_VOCAB_SIZE = 50257
+FFN_TYPES = ("gelu", "swiglu")  # GPT-2's GELU MLP; the gated SiLU unit of PaLM and LLaMA
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class GPTConfig:
     dropout: float = 0.1
     bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
     tie_weights: bool = True  # LM head shares the token-embedding matrix, as in GPT-2
+    ffn_type: str = "gelu"  # feed-forward: "gelu" (GPT-2) or "swiglu" (same parameter count, gated)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_heads", "n_layers"):
@@ -33,6 +35,8 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.ffn_type not in FFN_TYPES:
+            raise ValueError(f"unknown GPTConfig.ffn_type {self.ffn_type!r}; valid types: {', '.join(FFN_TYPES)}")
 
     @property
     def head_dim(self) -> int:

@@ -26,6 +26,44 @@ class FeedForward(nn.Module):
         return self.dropout(self.proj(self.act(self.fc(x))))
 
 
+def swiglu_hidden_dim(d_model: int, multiple_of: int = 64, tolerance: float = 0.01) -> int:
+    """Hidden width h of a SwiGLU feed-forward with the GELU MLP's parameter count: 3·d·h ≈ 8·d², so h ≈ 8d/3.
+
+    The multiple of 64 nearest 8d/3 (matmul-friendly, as LLaMA rounds to a multiple of 256); on small models,
+    where that misses the GELU MLP's parameter count (biases included) by more than `tolerance`, the largest
+    smaller power-of-two multiple that does not.
+    """
+    gelu = 8 * d_model**2 + 5 * d_model  # weights and biases of d -> 4d -> d
+    while True:
+        hidden = max(multiple_of, round(8 * d_model / 3 / multiple_of) * multiple_of)
+        swiglu = 3 * d_model * hidden + 2 * hidden + d_model
+        if abs(swiglu / gelu - 1) <= tolerance or multiple_of == 1:
+            return hidden
+        multiple_of //= 2
+
+
+class SwiGLUFeedForward(nn.Module):
+    """Gated feed-forward (Shazeer 2020; PaLM, LLaMA): proj(silu(x·W_gate) * (x·W_up)), d -> ~8d/3 -> d.
+
+    Three weight matrices instead of two, so the hidden width shrinks from 4d to about 8d/3 and the parameter
+    count and FLOPs stay those of GPT-2's MLP. `fc` holds the gate and up projections stacked (one matmul).
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        hidden = swiglu_hidden_dim(config.d_model)
+        self.fc = nn.Linear(config.d_model, 2 * hidden, bias=config.bias)
+        self.proj = nn.Linear(hidden, config.d_model, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.dropout(self.proj(F.silu(gate) * up))
+
+
+FEED_FORWARDS = {"gelu": FeedForward, "swiglu": SwiGLUFeedForward}  # by GPTConfig.ffn_type
+
+
 class TransformerBlock(nn.Module):
     """Pre-LayerNorm block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
@@ -36,7 +74,7 @@ class TransformerBlock(nn.Module):
             config.d_model, config.n_heads, config.dropout, config.bias, attn_implementation
         )
         self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
-        self.mlp = FeedForward(config)
+        self.mlp = FEED_FORWARDS[config.ffn_type](config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))

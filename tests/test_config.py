@@ -58,3 +58,17 @@ def test_overrides_are_validated():
 def test_invalid_configs_say_what_is_wrong(fields, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig(**fields)
+
+
+def test_ffn_type_is_validated_and_gpt2_presets_stay_gelu():
+    assert {GPTConfig.from_preset(name).ffn_type for name in GPT2_PARAMETERS} == {"gelu"}
+    assert GPTConfig.from_preset("gpt-smoke", ffn_type="swiglu").ffn_type == "swiglu"
+    with pytest.raises(ValueError, match="unknown GPTConfig.ffn_type 'relu'; valid types: gelu, swiglu"):
+        GPTConfig(ffn_type="relu")
+
+
+@pytest.mark.parametrize("name", list(GPT2_PARAMETERS))
+def test_swiglu_keeps_the_parameter_count_within_one_percent(name):
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_preset(name, ffn_type="swiglu"))
+    assert model.num_parameters() == pytest.approx(GPT2_PARAMETERS[name], rel=0.01)

@@ -9,6 +9,7 @@ from torch import nn
 
 from helpers import GPT, GPTConfig
 from helpers.attention import CausalSelfAttention
+from helpers.model import FeedForward, SwiGLUFeedForward, swiglu_hidden_dim
 
 TINY = GPTConfig(vocab_size=97, context_length=32, d_model=48, n_heads=4, n_layers=2, dropout=0.0)
 
@@ -151,3 +152,43 @@ def test_dropout_acts_in_training_only(attn_implementation):
     idx = torch.randint(0, TINY.vocab_size, (2, 16))
     assert not torch.equal(model.train()(idx), model(idx))
     assert torch.equal(model.eval()(idx), model(idx))
+
+
+@pytest.mark.parametrize("d_model", [48, 64, 100, 128, 256, 384, 768, 1024, 1280, 1600, 2048, 4096])
+def test_swiglu_feed_forward_has_the_gelu_mlps_parameter_count(d_model):
+    config = GPTConfig(d_model=d_model, n_heads=1, ffn_type="swiglu")
+    with torch.device("meta"):
+        gelu, swiglu = FeedForward(config), SwiGLUFeedForward(config)
+    count = [sum(p.numel() for p in m.parameters()) for m in (gelu, swiglu)]
+    assert count[1] == pytest.approx(count[0], rel=0.01)
+    if d_model >= 384:  # the GPT-2 sizes and up: a matmul-friendly multiple of 64
+        assert swiglu_hidden_dim(d_model) % 64 == 0
+
+
+def test_swiglu_matches_a_float64_reference_with_gradients():
+    torch.manual_seed(0)
+    ff = SwiGLUFeedForward(GPTConfig(d_model=48, n_heads=4, dropout=0.0, ffn_type="swiglu"))
+    hidden = ff.proj.in_features
+    x = torch.randn(2, 5, 48, dtype=torch.float64, requires_grad=True)
+    w, b = ff.fc.weight.double(), ff.fc.bias.double()
+    gate, up = x @ w[:hidden].T + b[:hidden], x @ w[hidden:].T + b[hidden:]
+    expected = (gate / (1 + torch.exp(-gate)) * up) @ ff.proj.weight.double().T + ff.proj.bias.double()
+    torch.testing.assert_close(ff(x.float()).double(), expected, rtol=1e-5, atol=1e-6)  # float32 module
+    y = ff.double()(x)
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    grad_out = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, grad_out)
+    (dx_ref,) = torch.autograd.grad(expected, x, grad_out)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_gpt_with_swiglu_is_causal_and_scales_its_residual_projection():
+    torch.manual_seed(0)
+    config = dataclasses.replace(TINY, n_layers=8, ffn_type="swiglu")
+    model = GPT(config).eval()
+    assert isinstance(model.blocks[0].mlp, SwiGLUFeedForward)
+    assert model.blocks[0].mlp.proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.1)  # 0.02 / sqrt(2 * 8)
+    idx = torch.randint(0, config.vocab_size, (1, 20))
+    changed = idx.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % config.vocab_size
+    torch.testing.assert_close(model(idx)[:, :10], model(changed)[:, :10])
