@@ -1,0 +1,146 @@
+"""Automatic batch sizing: the largest batch whose training step fits in memory.
+
+The search (`largest_batch_size`) doubles the batch until a step does not fit, then bisects between the last
+size that fit and the first that did not: about 2·log2(answer) trial steps. What "fits" means depends on
+the device:
+
+* CUDA: run the step; `torch.OutOfMemoryError` means no. The failed step's tensors are released and the
+  caching allocator emptied before the next try (`cuda_step_fits`).
+* CPU: running out of memory does not raise, the kernel's OOM killer ends the process. So the step's memory
+  is *measured* instead, as the peak RSS a fresh process adds while building the model and optimizer and
+  running two training steps (`helpers.memory`), and compared with a budget (`CpuMemoryBudget`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .config import GPTConfig
+from .device import needs_grad_scaler
+from .memory import peak_rss_above_baseline, run_in_fresh_process
+from .model import GPT
+
+
+class BatchSizeError(RuntimeError):
+    """Not even the smallest batch fits."""
+
+
+@dataclass
+class BatchSearch:
+    batch_size: int  # the largest batch that fit
+    tried: list[tuple[int, bool]] = field(default_factory=list)  # (batch, fit?) in the order tried
+    limit_reached: bool = False  # stopped at `limit`: larger batches may fit too
+
+
+def largest_batch_size(fits: Callable[[int], bool], start: int = 1, limit: int = 1024) -> BatchSearch:
+    """The largest batch in [start, limit] for which `fits(batch)` is true, assuming bigger never fits better."""
+    if not 1 <= start <= limit:
+        raise ValueError(f"need 1 <= start <= limit, got start={start}, limit={limit}")
+    search = BatchSearch(batch_size=0)
+
+    def probe(batch: int) -> bool:
+        ok = bool(fits(batch))
+        search.tried.append((batch, ok))
+        return ok
+
+    if not probe(start):
+        raise BatchSizeError(f"batch size {start} does not fit: use a smaller model or context, a lower-precision "
+                             "dtype, or a device with more memory")
+    good, bad = start, None
+    while bad is None and good < limit:  # grow geometrically until a step fails
+        batch = min(2 * good, limit)
+        if probe(batch):
+            good = batch
+        else:
+            bad = batch
+    while bad is not None and bad - good > 1:  # bisect between the last fit and the first failure
+        batch = (good + bad) // 2
+        if probe(batch):
+            good = batch
+        else:
+            bad = batch
+    search.batch_size = good
+    search.limit_reached = bad is None
+    return search
+
+
+def make_training_step(model: GPT, seq: int, dtype: torch.dtype | None = None,
+                       optimizer: torch.optim.Optimizer | None = None) -> Callable[[int], None]:
+    """A function running one training step (forward, backward, AdamW step) on `batch` random sequences."""
+    device = next(model.parameters()).device
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype))
+    vocab = model.config.vocab_size
+
+    def step(batch: int) -> None:
+        model.train()
+        idx = torch.randint(vocab, (batch, seq + 1), device=device)
+        try:
+            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                logits = model(idx[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), idx[:, 1:].flatten())
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        finally:
+            optimizer.zero_grad(set_to_none=True)  # a failed step leaves no gradients behind
+
+    return step
+
+
+def cuda_step_fits(step: Callable[[int], None], device: torch.device | str = "cuda") -> Callable[[int], bool]:
+    """fits(batch) for a GPU: try the step; out of memory means no. Memory is released after every try."""
+
+    def fits(batch: int) -> bool:
+        try:
+            step(batch)
+            ok = True
+        except torch.OutOfMemoryError:
+            ok = False  # leaving the except block drops the traceback, and with it the failed step's tensors
+        gc.collect()
+        torch.cuda.empty_cache()  # hand cached blocks back, so the next try starts from the same state
+        return ok
+
+    return fits
+
+
+def training_peak_in_fresh_process(config: dict, batch: int, seq: int, dtype: str | None = None) -> int:
+    """Entry point of the fresh process: peak RSS (bytes) that building the model and two training steps add."""
+    gpt_config = GPTConfig(**config)
+    torch_dtype = getattr(torch, dtype) if dtype else None
+
+    def build_and_train():
+        torch.manual_seed(0)
+        step = make_training_step(GPT(gpt_config), seq, torch_dtype)
+        step(batch)  # the first step allocates the optimizer's state
+        step(batch)  # the second runs with it: the steady-state peak
+
+    return peak_rss_above_baseline(build_and_train)
+
+
+class CpuMemoryBudget:
+    """fits(batch) on CPU: the measured peak of model + optimizer + training step stays within `budget_bytes`.
+
+    Every measurement runs in a fresh process (a few seconds each); `peaks` keeps them by batch size, and a
+    batch size already measured is not measured again.
+    """
+
+    def __init__(self, config: GPTConfig, seq: int, budget_bytes: int, dtype: torch.dtype | None = None) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"the memory budget must be positive, got {budget_bytes} bytes")
+        self.config, self.seq, self.budget_bytes = config, seq, budget_bytes
+        self.dtype = None if dtype is None else str(dtype).removeprefix("torch.")
+        self.peaks: dict[int, int] = {}
+
+    def __call__(self, batch: int) -> bool:
+        if batch not in self.peaks:
+            self.peaks[batch] = run_in_fresh_process("helpers.batch_size:training_peak_in_fresh_process",
+                                                     config=dataclasses.asdict(self.config), batch=batch,
+                                                     seq=self.seq, dtype=self.dtype)
+        return self.peaks[batch] <= self.budget_bytes
