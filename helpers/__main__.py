@@ -1,4 +1,5 @@
-"""Command line: `python -m helpers env [--json]`, `bench-attention`, `run-notebooks`, `sync-bootstrap`."""
+"""Command line: `python -m helpers env [--json]`, `bench-attention`, `flops`, `bench-load`, `run-notebooks`,
+`sync-bootstrap`; `python -m helpers COMMAND --help` for each."""
 
 from __future__ import annotations
 
@@ -36,6 +37,34 @@ def _bench_attention(args: argparse.Namespace) -> int:
         print(f"{r.mode}: batch {r.batch}, seq {r.seq}, d_model {r.d_model}, {r.heads} heads, {r.dtype} on {r.device}")
         print(format_results(results))
     return 1 if any(r.status == "error" for r in results) else 0
+
+
+def _flops(args: argparse.Namespace) -> int:
+    from .config import PRESETS
+    from .flops import flops_report, format_flops_report
+
+    config = PRESETS[args.model]
+    ctx = config.context_length if args.ctx is None else args.ctx
+    if not 1 <= ctx <= config.context_length:
+        print(f"error: --ctx {ctx} is outside 1..{config.context_length} ({args.model}'s context length); "
+              f"pass --ctx {config.context_length} or less", file=sys.stderr)
+        return 2
+    if args.batch < 1:
+        print(f"error: --batch {args.batch} must be 1 or more", file=sys.stderr)
+        return 2
+    report = {"model": args.model, **flops_report(config, args.batch, ctx)}
+    print(json.dumps(report, indent=2) if args.json else format_flops_report(report))
+    return 0
+
+
+def _bench_load(args: argparse.Namespace) -> int:
+    from .device import default_device_type
+    from .loading import bench_load, format_results, results_as_dicts
+
+    results = bench_load(args.model, args.only, device=args.device or default_device_type(), repeats=args.repeats,
+                         cold=args.cold, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(results_as_dicts(results), indent=2) if args.json else format_results(results))
+    return 0
 
 
 def _run_notebooks(args: argparse.Namespace) -> int:
@@ -93,6 +122,28 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     bench.add_argument("--json", action="store_true", help="a JSON list instead of a table")
     bench.set_defaults(func=_bench_attention)
+
+    from .config import PRESETS
+
+    flops = commands.add_parser("flops", help="forward FLOPs of a preset by hand, by fvcore and by FlopCounterMode")
+    flops.add_argument("--model", choices=list(PRESETS), default="gpt2-small", help="preset (default: gpt2-small)")
+    flops.add_argument("--batch", type=int, default=2, help="sequences per batch (default: 2)")
+    flops.add_argument("--ctx", type=int, help="tokens per sequence (default: the preset's context length)")
+    flops.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    flops.set_defaults(func=_flops)
+
+    from .loading import STRATEGIES
+
+    load = commands.add_parser("bench-load", help="peak memory and time of each weight-loading strategy")
+    load.add_argument("--model", choices=list(PRESETS), default="gpt2-small",
+                      help="preset whose size the random checkpoint has (default: gpt2-small)")
+    load.add_argument("--only", nargs="+", choices=list(STRATEGIES), metavar="NAME",
+                      help=f"strategies to run (default: all of {', '.join(STRATEGIES)})")
+    load.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: the best available")
+    load.add_argument("--repeats", type=int, default=1, help="fresh-process runs per strategy; medians are reported")
+    load.add_argument("--cold", action="store_true", help="drop the checkpoint from the page cache before each run")
+    load.add_argument("--json", action="store_true", help="a JSON list instead of a table")
+    load.set_defaults(func=_bench_load)
 
     run = commands.add_parser("run-notebooks", help="execute notebooks headless into a report folder")
     run.add_argument("notebooks", nargs="*", help="notebooks to run (default: every chapter's)")

@@ -21,11 +21,22 @@ from pathlib import Path
 import torch
 
 
-def _status_bytes(field: str) -> int | None:
+def proc_status_bytes(field: str) -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    return None
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux): memory a new allocation can get without swapping."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
@@ -53,9 +64,9 @@ def peak_rss_above_baseline(fn: Callable[[], object]) -> int:
     """
     gc.collect()
     if _reset_peak_rss():
-        before = _status_bytes("VmRSS")
+        before = proc_status_bytes("VmRSS")
         fn()
-        return max(0, _status_bytes("VmHWM") - before)
+        return max(0, proc_status_bytes("VmHWM") - before)
     before = _ru_maxrss_bytes()  # no reset available: peak above the process's earlier peak
     fn()
     return max(0, _ru_maxrss_bytes() - before)

@@ -75,7 +75,8 @@ def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
     """Run every cell in a fresh kernel (in the notebook's folder); optionally save the result."""
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
-    env = dict(os.environ, COURSE_SMOKE="1" if smoke else "0")
+    # Progress bars redraw in place in a live notebook; in a saved one every redraw stays, so draw rarely.
+    env = dict(os.environ, COURSE_SMOKE="1" if smoke else "0", TQDM_MININTERVAL="30")
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
