@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils import benchmark
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .attention import IMPLEMENTATIONS, CausalSelfAttention, unavailable_reason
 from .memory import peak_cuda_bytes, peak_rss_above_baseline, run_in_fresh_process
+from .timing import median_seconds
 
 MODES = ("fwd", "fwdbwd", "compiled")  # compiled = forward of torch.compile(module)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -97,9 +97,7 @@ def bench_attention(batch: int, seq: int, d_model: int, heads: int, dtype: str =
             continue
         try:
             _, step = make_step(name, batch, seq, d_model, heads, torch_dtype, dev, mode)
-            step()  # warm-up (and compilation)
-            timer = benchmark.Timer(stmt="step()", globals={"step": step}, num_threads=torch.get_num_threads())
-            median_ms = timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+            median_ms = median_seconds(step, dev, min_run_time) * 1e3
             peak = None
             if memory and dev.type == "cuda":
                 peak = peak_cuda_bytes(step, dev)

@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils import benchmark
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from .batch_size import make_training_step
 from .config import GPTConfig
 from .model import GPT, swiglu_hidden_dim
+from .timing import median_seconds
 
 with warnings.catch_warnings():  # fvcore scripts its focal loss when imported, which recent torch deprecates
     warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
@@ -371,19 +371,6 @@ def datasheet_peak_flops(device_name: str, dtype: torch.dtype | str | None) -> f
     model = gpu_model(device_name)
     tflops = PEAK_TFLOPS.get(model, {}).get(_dtype_name(dtype)) if model else None
     return None if tflops is None else tflops * 1e12
-
-
-def median_seconds(step: Callable[[], object], device: torch.device, min_run_time: float) -> float:
-    """Median seconds of `step()` after a warm-up run, by torch.utils.benchmark (which synchronizes CUDA itself;
-    Apple's MPS is synchronized here)."""
-    run = step
-    if device.type == "mps":
-        def run():
-            step()
-            torch.mps.synchronize()
-    run()  # warm-up: allocations, optimizer state, kernel selection
-    timer = benchmark.Timer("run()", globals={"run": run}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
 def _default_device() -> torch.device:
