@@ -1,0 +1,286 @@
+"""The training loop: exact gradient accumulation, learning-rate schedules, precision choice, data order and an
+exact resume from an atomic checkpoint."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers.checkpoint import CheckpointError, checksum_path
+from helpers.config import GPTConfig
+from helpers.device import REFERENCE_DEVICES, UnsupportedDtypeError
+from helpers.lr_schedule import learning_rate
+from helpers.model import GPT
+from helpers.train import (
+    IGNORE_INDEX,
+    ShuffledBatches,
+    TrainConfig,
+    Trainer,
+    accumulate_gradients,
+    resolve_precision,
+)
+
+TINY = GPTConfig(vocab_size=97, context_length=16, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
+
+
+def tiny_gpt(seed=0, dropout=0.0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    config = GPTConfig(**{**TINY.__dict__, "dropout": dropout})
+    return GPT(config).to(dtype)
+
+
+def token_stream(n=2000, seed=0):
+    """A learnable stream: a noisy repeating pattern over the tiny vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.arange(n) * 7 % TINY.vocab_size
+    noise = torch.randint(0, TINY.vocab_size, (n,), generator=g)
+    return torch.where(torch.rand(n, generator=g) < 0.1, noise, base)
+
+
+# ---------------------------------------------------------------- learning-rate schedule
+
+
+def test_warmup_is_linear_and_reaches_the_peak():
+    lrs = [learning_rate(s, 1e-3, 100, warmup_steps=10, min_lr=1e-4) for s in range(10)]
+    assert lrs == pytest.approx([1e-3 * (s + 1) / 10 for s in range(10)])
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_decay_goes_from_peak_to_min_lr(schedule):
+    total, warmup, peak, floor = 110, 10, 1e-3, 1e-4
+    assert learning_rate(warmup, peak, total, warmup, floor, schedule) == pytest.approx(peak)
+    middle = learning_rate(warmup + 50, peak, total, warmup, floor, schedule)
+    assert middle == pytest.approx((peak + floor) / 2)  # both schedules pass the midpoint halfway
+    quarter = learning_rate(warmup + 25, peak, total, warmup, floor, schedule)
+    expected = floor + (peak - floor) * (0.5 * (1 + math.cos(math.pi / 4)) if schedule == "cosine" else 0.75)
+    assert quarter == pytest.approx(expected)
+    assert learning_rate(total, peak, total, warmup, floor, schedule) == pytest.approx(floor)
+    assert learning_rate(total + 50, peak, total, warmup, floor, schedule) == pytest.approx(floor)
+
+
+def test_constant_schedule_and_bad_settings():
+    assert learning_rate(50, 1e-3, 100, 10, 0.0, "constant") == 1e-3
+    for kwargs, words in [({"schedule": "step"}, "unknown schedule"), ({"warmup_steps": 200}, "warmup_steps"),
+                          ({"min_lr": 1.0}, "min_lr"), ({"max_lr": 0.0}, "positive")]:
+        args = {"step": 0, "max_lr": 1e-3, "total_steps": 100} | kwargs
+        with pytest.raises(ValueError, match=words):
+            learning_rate(**args)
+
+
+# ---------------------------------------------------------------- exact gradient accumulation
+
+
+def padded_batch(seed=1):
+    """4 sequences whose numbers of target tokens differ a lot (the rest is IGNORE_INDEX padding)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, TINY.vocab_size, (4, TINY.context_length), generator=g)
+    y = torch.randint(0, TINY.vocab_size, (4, TINY.context_length), generator=g)
+    for row, keep in enumerate([16, 14, 2, 1]):
+        y[row, keep:] = IGNORE_INDEX
+    return x, y
+
+
+def gradients(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def full_batch_reference(model, x, y, autocast):
+    model.zero_grad()
+    with autocast():
+        logits = model(x)
+    F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX).backward()
+    return gradients(model)
+
+
+def relative_error(a, b):
+    num = math.sqrt(sum(float((a[k] - b[k]).double().pow(2).sum()) for k in a))
+    return num / math.sqrt(sum(float(b[k].double().pow(2).sum()) for k in b))
+
+
+AUTOCASTS = {
+    "fp32": (lambda: torch.autocast("cpu", enabled=False), 1e-5),
+    "bf16-autocast": (lambda: torch.autocast("cpu", dtype=torch.bfloat16), 1e-2),
+}
+
+
+@pytest.mark.parametrize("precision", AUTOCASTS)
+@pytest.mark.parametrize("n_micro", [2, 4])
+def test_accumulated_gradients_equal_the_full_batch(precision, n_micro):
+    autocast, tol = AUTOCASTS[precision]
+    model = tiny_gpt()
+    x, y = padded_batch()
+    reference = full_batch_reference(model, x, y, autocast)
+
+    model.zero_grad()
+    micro = list(zip(x.chunk(n_micro), y.chunk(n_micro), strict=True))
+    loss, n_tokens = accumulate_gradients(model, micro, autocast)
+    assert n_tokens == int((y != IGNORE_INDEX).sum())
+    assert relative_error(gradients(model), reference) < tol
+
+    # the pitfall, measured: averaging per-micro-batch means weights short micro-batches' tokens more
+    model.zero_grad()
+    for xm, ym in micro:
+        with autocast():
+            logits = model(xm)
+        (F.cross_entropy(logits.float().flatten(0, 1), ym.flatten(), ignore_index=IGNORE_INDEX) / n_micro).backward()
+    assert relative_error(gradients(model), reference) > 10 * tol
+
+
+def test_accumulated_loss_is_the_token_mean_in_float64():
+    model = tiny_gpt(dtype=torch.float64)
+    x, y = padded_batch()
+    with torch.no_grad():
+        expected = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX).item()
+    loss, _ = accumulate_gradients(model, list(zip(x.chunk(4), y.chunk(4), strict=True)))
+    assert loss == pytest.approx(expected, rel=1e-12)
+
+
+def test_micro_batches_without_targets_are_refused():
+    x, y = padded_batch()
+    with pytest.raises(ValueError, match="no target tokens"):
+        accumulate_gradients(tiny_gpt(), [(x, torch.full_like(y, IGNORE_INDEX))])
+
+
+# ---------------------------------------------------------------- precision choice
+
+
+@pytest.mark.parametrize("device, dtype, scaler", [
+    ("cpu", torch.bfloat16, False), ("cpu-no-bf16", None, False), ("mps", torch.bfloat16, False),
+    ("t4", torch.float16, True), ("a100", torch.bfloat16, False), ("h100", torch.bfloat16, False)])
+def test_auto_precision_per_device(device, dtype, scaler):
+    precision = resolve_precision("auto", REFERENCE_DEVICES[device])
+    assert precision.dtype == dtype and precision.needs_scaler == scaler
+
+
+def test_unsupported_precision_is_refused_with_an_alternative():
+    with pytest.raises(UnsupportedDtypeError, match="float16 with torch.amp.GradScaler"):
+        resolve_precision("bfloat16", REFERENCE_DEVICES["t4"])
+    with pytest.raises(ValueError, match="unknown precision"):
+        resolve_precision("int8", REFERENCE_DEVICES["cpu"])
+
+
+# ---------------------------------------------------------------- data order
+
+
+def test_each_epoch_visits_every_window_once_and_the_position_restores():
+    ids = torch.arange(16 * 10 + 1)  # 10 windows of 16 tokens: window k starts at token 16k
+    batches = ShuffledBatches(ids, batch_size=3, context_length=16, seed=5)
+    assert batches.batches_per_epoch == 3  # 9 windows per epoch, the 10th dropped
+    starts = [int(x[i, 0]) // 16 for _ in range(3) for x, _ in [batches.next()] for i in range(3)]
+    assert len(set(starts)) == 9
+    x, y = batches.next()  # next epoch: a different order
+    assert torch.equal(y[:, :-1], x[:, 1:])
+    state = batches.state_dict()
+    expected = [batches.next()[0] for _ in range(4)]
+    again = ShuffledBatches(ids, batch_size=3, context_length=16, seed=5)
+    again.load_state_dict(state)
+    assert all(torch.equal(again.next()[0], e) for e in expected)
+    other = ShuffledBatches(ids, batch_size=3, context_length=16, seed=6)
+    with pytest.raises(CheckpointError, match="seed"):
+        other.load_state_dict(state)
+
+
+# ---------------------------------------------------------------- the loop and exact resume
+
+
+def make_trainer(tmp_path, precision="float32", seed=0, dropout=0.1, **overrides):
+    config = TrainConfig(**{"steps": 6, "batch_size": 4, "grad_accum_steps": 2, "lr": 3e-3, "min_lr": 3e-4,
+                            "warmup_steps": 2, "eval_interval": 3, "eval_batches": 2, "precision": precision,
+                            "checkpoint_path": str(tmp_path / "ckpt.pt"), "device": "cpu", "seed": 0} | overrides)
+    ids = token_stream()
+    return Trainer(tiny_gpt(seed, dropout), ids[:1600], ids[1600:], config)
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])  # float16: the GradScaler's state is resumed too
+def test_resume_equals_an_uninterrupted_run(tmp_path, precision):
+    straight = make_trainer(tmp_path / "a", precision)
+    straight.fit(progress=False)
+
+    first = make_trainer(tmp_path / "b", precision, checkpoint_interval=3)
+    first.fit(until_step=3, progress=False)
+    resumed = make_trainer(tmp_path / "c", precision, seed=123)  # other initial weights: the load must replace them
+    assert resumed.load(tmp_path / "b" / "ckpt.pt") == 3
+    resumed.fit(progress=False)
+
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert resumed.history["loss"] == straight.history["loss"]
+    assert resumed.history["val_loss"] == straight.history["val_loss"]
+    if precision == "float16":
+        assert resumed.scaler.is_enabled() and resumed.scaler.get_scale() == straight.scaler.get_scale()
+
+    # and the check can fail: resuming at the wrong data position gives other weights
+    wrong = make_trainer(tmp_path / "d", precision)
+    wrong.load(tmp_path / "b" / "ckpt.pt")
+    wrong.batches.index -= 1
+    wrong.fit(progress=False)
+    assert not torch.equal(wrong.model.lm_head.weight, straight.model.lm_head.weight)
+
+
+def test_training_lowers_the_validation_loss_and_follows_the_schedule(tmp_path):
+    trainer = make_trainer(tmp_path, steps=40, eval_interval=20, dropout=0.0, lr=1e-2, min_lr=1e-3)
+    before = trainer.evaluate()
+    trainer.fit(progress=False)
+    assert trainer.history["val_loss"][-1] < 0.7 * before
+    assert trainer.history["lr"] == pytest.approx([learning_rate(s, 1e-2, 40, 2, 1e-3) for s in range(40)])
+    assert all(0 < n for n in trainer.history["grad_norm"])
+
+
+def test_gradient_clipping_bounds_the_update(tmp_path):
+    clipped = make_trainer(tmp_path / "c", steps=1, warmup_steps=0, grad_clip=1e-3, dropout=0.0)
+    free = make_trainer(tmp_path / "f", steps=1, warmup_steps=0, grad_clip=None, dropout=0.0)
+    start = tiny_gpt().lm_head.weight.detach().clone()
+    clipped.train_step()
+    free.train_step()
+    # with Adam, clipping rescales the first moment only: the first update is the same; the second moment
+    # is not, so compare the stored first moments, which clipping shrinks to max_norm / norm of their size
+    m_clip = clipped.optimizer.state[clipped.model.lm_head.weight]["exp_avg"]
+    m_free = free.optimizer.state[free.model.lm_head.weight]["exp_avg"]
+    norm = clipped.history["grad_norm"][0]
+    assert torch.allclose(m_clip, m_free * (1e-3 / norm), rtol=1e-4, atol=1e-12)
+    assert not torch.equal(clipped.model.lm_head.weight, start)
+
+
+def test_sampling_does_not_change_training(tmp_path):
+    from helpers.tokenizer import get_tokenizer
+
+    plain = make_trainer(tmp_path / "p")
+    plain.fit(progress=False)
+    sampled = make_trainer(tmp_path / "s", sample_interval=2, sample_tokens=4, sample_prompt="a")  # "a": id 64
+    sampled.tokenizer = get_tokenizer()
+    sampled.fit(progress=False)
+    assert [step for step, _ in sampled.history["samples"]] == [2, 4, 6]
+    assert all(isinstance(text, str) and text for _, text in sampled.history["samples"])
+    assert torch.equal(sampled.model.lm_head.weight, plain.model.lm_head.weight)
+    assert sampled.history["loss"] == plain.history["loss"]
+
+
+def test_checkpoints_are_atomic_checksummed_and_checked(tmp_path):
+    trainer = make_trainer(tmp_path, steps=2, eval_interval=0)
+    trainer.fit(progress=False)
+    path = tmp_path / "ckpt.pt"
+    assert path.is_file() and checksum_path(path).is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name not in {"ckpt.pt", "ckpt.pt.sha256"}]  # no temporaries
+
+    other_size = make_trainer(tmp_path, steps=2)
+    other_size.model = GPT(GPTConfig(**{**TINY.__dict__, "d_model": 64}))
+    with pytest.raises(CheckpointError, match="build the model from the checkpoint's config"):
+        other_size.load(path)
+    other_run = make_trainer(tmp_path, steps=2, lr=1e-3)
+    with pytest.raises(CheckpointError, match="lr"):
+        other_run.load(path)
+
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupt"):
+        make_trainer(tmp_path, steps=2).load(path)
+
+
+def test_bad_config_is_refused():
+    for kwargs, words in [({"steps": 0}, "steps"), ({"grad_accum_steps": 0}, "grad_accum_steps"),
+                          ({"precision": "fp8"}, "unknown precision"), ({"grad_clip": 0.0}, "grad_clip"),
+                          ({"warmup_steps": 20}, "warmup_steps")]:
+        with pytest.raises(ValueError, match=words):
+            TrainConfig(**{"steps": 10} | kwargs)
