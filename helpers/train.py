@@ -325,7 +325,7 @@ class Trainer:
         for _ in bar:
             record = self.train_step()
             if hasattr(bar, "set_postfix"):
-                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.1e}")
+                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.1e}", refresh=False)
             last = self.step == c.steps
             if self.val is not None and ((c.eval_interval and self.step % c.eval_interval == 0) or last):
                 self.evaluate()
@@ -394,3 +394,36 @@ def plot_history(history: dict, ax=None, label: str = "", lr_axis: bool = True):
         lr_ax.set_ylabel("learning rate")
     ax.legend(loc="upper right")
     return ax
+
+
+def accumulation_peak_in_fresh_process(config: dict, micro_batch: int, accum_steps: int, seq: int,
+                                       device: str = "cpu", precision: str = "float32") -> int:
+    """Entry point of a fresh process (helpers.memory.run_in_fresh_process): the peak memory (bytes) that
+    building the model and AdamW and running two optimizer steps of `accum_steps` micro-batches add.
+    CUDA: peak allocated bytes; CPU: peak RSS above the process's baseline."""
+    from .config import GPTConfig
+    from .memory import peak_cuda_bytes, peak_rss_above_baseline
+    from .model import GPT
+
+    dev = torch.device(device)
+    amp = resolve_precision(precision, detect_capabilities(dev.type))
+    gpt_config = GPTConfig(**config)
+
+    def build_and_train():
+        torch.manual_seed(0)
+        model = GPT(gpt_config).to(dev)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        scaler = torch.amp.GradScaler(dev.type) if amp.needs_scaler else None
+        for _ in range(2):  # the first step allocates AdamW's state, the second runs with it
+            ids = torch.randint(gpt_config.vocab_size, (accum_steps, micro_batch, seq + 1), device=dev)
+            accumulate_gradients(model, [(b[:, :-1], b[:, 1:]) for b in ids], amp.autocast, scaler)
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    if dev.type == "cuda":
+        return peak_cuda_bytes(build_and_train, dev)
+    return peak_rss_above_baseline(build_and_train)

@@ -284,3 +284,18 @@ def test_bad_config_is_refused():
                           ({"warmup_steps": 20}, "warmup_steps")]:
         with pytest.raises(ValueError, match=words):
             TrainConfig(**{"steps": 10} | kwargs)
+
+
+def test_peak_memory_follows_the_micro_batch_not_the_effective_batch():
+    from dataclasses import asdict
+
+    from helpers.memory import run_in_fresh_process
+
+    config = asdict(GPTConfig(vocab_size=4096, context_length=64, d_model=128, n_heads=4, n_layers=2))
+
+    def peak(micro, accum):
+        return run_in_fresh_process("helpers.train:accumulation_peak_in_fresh_process", config=config,
+                                    micro_batch=micro, accum_steps=accum, seq=64)
+
+    one_batch, accumulated = peak(32, 1), peak(2, 16)  # the same 32 sequences per optimizer step
+    assert accumulated < 0.7 * one_batch, (accumulated, one_batch)
