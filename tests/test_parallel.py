@@ -1,0 +1,259 @@
+"""Chapter 7's parallel training, run for real: each script is launched with torchrun on 2 CPU processes (gloo) and
+compared with the single-process GPT (which the scripts compute on rank 0, or every rank for its own shard)."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.config import GPTConfig
+from helpers.distributed import (
+    DistributedRunError,
+    first_traceback,
+    launch,
+    pick_device_type,
+    ring_all_reduce_bytes,
+)
+from helpers.model import GPT
+from helpers.pipeline import GPTStage, bubble_fraction, stage_layers
+from helpers.tensor_parallel import TensorParallelAttention, shard_rows
+
+CH07 = Path(__file__).resolve().parents[1] / "ch07_parallel"
+TINY = ["--layers", "2", "--d-model", "64", "--heads", "4", "--vocab", "256", "--context", "32"]
+TOL = 1e-5  # fp32: every parallel variant equals one process within this
+WORLD = 2
+
+
+def run_script(tmp_path_factory, name: str, *args: str) -> dict:
+    out = tmp_path_factory.mktemp(name) / "result.json"
+    launch(CH07 / f"{name}.py", ["--out", out, *TINY, *args], nproc=WORLD, timeout=240)
+    return json.loads(out.read_text())
+
+
+def model_of(result: dict) -> GPT:
+    return GPT(GPTConfig(**result["config"]))
+
+
+def param_bytes(model: GPT) -> int:
+    return sum(p.numel() * 4 for p in model.parameters())
+
+
+def close(measured: int, expected: float, rel: float = 0.02) -> bool:
+    """Bytes written to a socket: the payload plus a few hundred bytes of headers per message."""
+    return expected <= measured <= expected * (1 + rel) + 4096
+
+
+# ---- data parallel ----
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    return run_script(tmp_path_factory, "ddp", "--steps", "3", "--accum", "2")
+
+
+@pytest.mark.parametrize("variant", ["ddp", "ddp_ring", "accum_no_sync", "accum_sync_every_micro", "ddp_adamw"])
+def test_ddp_equals_single_process_on_concatenated_batches(ddp, variant):
+    assert ddp["world_size"] == WORLD and ddp["backend"] == "gloo"
+    assert ddp[variant]["max_param_change"] > 100 * TOL  # training moved the weights, so equality means something
+    assert ddp[variant]["max_param_diff"] < TOL
+
+
+def test_ddp_hands_every_gradient_byte_to_all_reduce_once_per_step(ddp):
+    grad_bytes = param_bytes(model_of(ddp))
+    for variant in ("ddp", "ddp_ring", "accum_no_sync", "ddp_adamw"):
+        for rank in ddp[variant]["per_rank"]:
+            assert rank["bytes_handed"] == [grad_bytes] * ddp["steps"]
+    for rank in ddp["accum_sync_every_micro"]["per_rank"]:  # without no_sync: one all-reduce per micro-batch
+        assert rank["bytes_handed"] == [ddp["accum"] * grad_bytes] * ddp["steps"]
+
+
+def test_ddp_sends_the_ring_all_reduce_volume(ddp):
+    ring = 2 * (WORLD - 1) / WORLD * param_bytes(model_of(ddp))
+    for rank in ddp["ddp_ring"]["per_rank"]:
+        assert rank["ring_bytes_sent"] == [ring] * ddp["steps"]  # our send/recv ring, counted
+    if ddp["ddp"]["per_rank"][0]["bytes_written"][0] is None:
+        pytest.skip("no /proc/self/io here: the bytes written to sockets cannot be read")
+    for variant in ("ddp", "ddp_ring"):
+        for rank in ddp[variant]["per_rank"]:
+            assert all(close(w, ring) for w in rank["bytes_written"]), rank["bytes_written"]
+
+
+# ---- tensor parallel ----
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory):
+    return run_script(tmp_path_factory, "tensor_parallel", "--batch", "4")
+
+
+@pytest.mark.parametrize("variant", ["from_scratch", "dtensor"])
+def test_tensor_parallel_equals_single_process(tp, variant):
+    assert tp[variant]["logits_max_diff"] < TOL
+    assert tp[variant]["grad_max_diff"] < TOL
+
+
+def test_tensor_parallel_all_reduces_one_activation_per_block_each_way(tp):
+    layers, d = tp["config"]["n_layers"], tp["config"]["d_model"]
+    activation = tp["batch"] * tp["seq"] * d * 4
+    scratch = tp["from_scratch"]
+    for phase in ("forward", "backward"):
+        assert scratch[f"{phase}_allreduces"] == 2 * layers  # attention and MLP of every layer
+        assert scratch[f"{phase}_allreduce_bytes"] == 2 * layers * activation
+        assert tp["dtensor"][f"{phase}_collectives"] == {"c10d_functional.all_reduce": 2 * layers}
+        if scratch[f"{phase}_bytes_written"] is not None:
+            assert close(scratch[f"{phase}_bytes_written"], ring_all_reduce_bytes(2 * layers * activation, WORLD))
+
+
+def test_tensor_parallel_splits_each_layer_while_ddp_replicates_it(tp):
+    model = model_of(tp)
+    d, layers = tp["config"]["d_model"], tp["config"]["n_layers"]
+    block = sum(p.numel() for p in model.blocks.parameters())
+    replicated = layers * (4 * d + 2 * d)  # two LayerNorms, and the row-parallel layers' biases
+    for variant in ("from_scratch", "dtensor"):
+        outside_blocks = model.num_parameters() - block
+        assert tp[variant]["params_per_rank"] == (block - replicated) // WORLD + replicated + outside_blocks
+
+
+# ---- pipeline parallel ----
+
+
+@pytest.fixture(scope="module")
+def pp(tmp_path_factory):
+    return run_script(tmp_path_factory, "pipeline_parallel", "--batch", "4", "--micro", "2",
+                      "--bubble-micro", "2", "--repeats", "1")
+
+
+@pytest.mark.parametrize("variant", ["from_scratch_gpipe", "ScheduleGPipe", "Schedule1F1B"])
+def test_pipeline_equals_single_process(pp, variant):
+    assert pp[variant]["grad_max_diff"] < TOL
+    assert pp[variant]["loss_diff"] < TOL
+
+
+def test_pipeline_sends_activations_forward_and_gradients_back(pp):
+    written = pp["from_scratch_gpipe"]["bytes_written_per_rank"]
+    if written[0] is None:
+        pytest.skip("no /proc/self/io here")
+    activation = pp["batch"] * pp["config"]["context_length"] * pp["config"]["d_model"] * 4
+    tied = pp["config"]["vocab_size"] * pp["config"]["d_model"] * 4
+    for rank in written:  # rank 0 sends activations, rank 1 their gradients; both the tied embedding's gradient
+        assert close(rank["send_recv"], activation)
+        assert close(rank["tied_allreduce"], ring_all_reduce_bytes(tied, WORLD))
+
+
+def test_gpipe_timeline_runs_all_forwards_then_backwards_in_dependency_order(pp):
+    (row,) = pp["bubble"]
+    m = row["micro_batches"]
+    first, last = row["timeline"]
+    for events in (first, last):
+        assert [e["kind"] for e in events] == ["F"] * m + ["B"] * m
+    for i in range(m):  # a stage starts a micro-batch only after its neighbour finished it
+        f0, f1 = first[i], last[i]
+        assert f1["start"] >= f0["end"]
+        b1, b0 = last[m + (m - 1 - i)], first[m + (m - 1 - i)]
+        assert b0["start"] >= b1["end"]
+    assert 0 < row["measured_bubble"] < 1 and row["analytic_bubble"] == bubble_fraction(WORLD, m)
+
+
+# ---- fully sharded ----
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    return run_script(tmp_path_factory, "fsdp", "--strategy", "fsdp", "--steps", "3")
+
+
+def test_fsdp_equals_single_process_training(fsdp):
+    assert fsdp["max_param_change"] > 100 * TOL
+    assert fsdp["max_param_diff"] < TOL
+
+
+def test_fsdp_holds_half_the_training_state_of_ddp(fsdp):
+    full = param_bytes(model_of(fsdp))  # what every DDP rank holds, for parameters and for gradients
+    for rank in fsdp["per_rank"]:
+        state = rank["state_bytes"]
+        for kind, replicas in (("parameters", 1), ("gradients", 1), ("optimizer", 2)):  # AdamW: two moments
+            assert abs(state[kind] - replicas * full / WORLD) <= 0.02 * replicas * full / WORLD, (kind, state)
+
+
+# ---- the launcher ----
+
+
+def test_launch_reports_the_failing_ranks_error(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('rank 1 fails on purpose')\n")
+    with pytest.raises(DistributedRunError, match="rank 1 fails on purpose"):
+        launch(script, nproc=WORLD, timeout=60)
+
+
+def test_launch_kills_a_hanging_run_and_shows_where_each_rank_waits(tmp_path):
+    script = tmp_path / "hangs.py"  # rank 0 waits for a message rank 1 never sends
+    script.write_text("import os, pathlib, time\nimport torch, torch.distributed as dist\n"
+                      "from helpers.distributed import setup\n"
+                      f"pathlib.Path({str(tmp_path)!r}, 'pid' + os.environ['RANK']).write_text(str(os.getpid()))\n"
+                      "runtime = setup('cpu', timeout_s=600)\n"
+                      "if runtime.rank == 0:\n    dist.recv(torch.zeros(1), 1)\n"
+                      "else:\n    time.sleep(600)\n")
+    start = time.perf_counter()
+    with pytest.raises(DistributedRunError, match="did not finish within") as failure:
+        launch(script, nproc=WORLD, timeout=20)
+    assert time.perf_counter() - start < 90
+    assert " in recv" in str(failure.value) and " in <module>" in str(failure.value)  # the ranks' stacks
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    assert len(pids) == WORLD, "the workers had not started: the machine is too loaded for this timeout"
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_failure_message_shows_the_first_ranks_traceback_and_every_ranks_last_line():
+    output = "\n".join(["[rank1]: Traceback (most recent call last):", "[rank1]:   File x.py", "[rank1]: KeyError: 'a'",
+                        "[rank0]: Traceback (most recent call last):", "[rank0]: RuntimeError: peer closed",
+                        "torchrun summary: rank 1 failed"])
+    excerpt = first_traceback(output)
+    assert excerpt.splitlines() == ["[rank1]: Traceback (most recent call last):", "[rank1]:   File x.py",
+                                    "[rank1]: KeyError: 'a'", "[rank0]: RuntimeError: peer closed"]
+
+
+def test_launch_rejects_a_missing_script(tmp_path):
+    with pytest.raises(DistributedRunError, match="no script"):
+        launch(tmp_path / "missing.py")
+
+
+# ---- building blocks, without processes ----
+
+
+def test_device_choice_needs_one_gpu_per_process():
+    assert pick_device_type("auto", 2, 0) == "cpu"
+    assert pick_device_type("auto", 2, 1) == "cpu"  # NCCL cannot put two ranks on one GPU
+    assert pick_device_type("auto", 2, 2) == "cuda"
+    with pytest.raises(RuntimeError, match="one GPU per process"):
+        pick_device_type("cuda", 2, 1)
+
+
+def test_fused_qkv_is_sharded_per_head_not_contiguously():
+    rows = shard_rows(3 * 8, parts=3, rank=1, world_size=2)  # d_model 8: Q rows 0-7, K 8-15, V 16-23
+    assert rows.tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        shard_rows(3 * 6, parts=3, rank=0, world_size=4)
+
+
+def test_tensor_parallel_rejects_heads_it_cannot_split():
+    model = GPT(GPTConfig(vocab_size=32, context_length=8, d_model=12, n_heads=3, n_layers=1, dropout=0.0))
+    with pytest.raises(ValueError, match="3 attention heads cannot be split over 2 ranks"):
+        TensorParallelAttention(model.blocks[0].attn, rank=0, world_size=2)
+
+
+def test_pipeline_stages_cover_the_layers_and_reject_dropout():
+    assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
+    with pytest.raises(ValueError, match="cannot cut 2 layers into 3 stages"):
+        stage_layers(2, 3)
+    config = GPTConfig(vocab_size=32, context_length=8, d_model=16, n_heads=2, n_layers=2, dropout=0.0)
+    model = GPT(config)
+    first, last = GPTStage(model, 0, 2), GPTStage(model, 1, 2)
+    x = torch.randint(32, (2, 8))
+    torch.testing.assert_close(last(first(x)), model(x), rtol=0, atol=1e-6)  # the stages compose to the model
+    with pytest.raises(ValueError, match="dropout=0.0"):
+        GPTStage(GPT(GPTConfig(vocab_size=32, context_length=8, d_model=16, n_heads=2, n_layers=2)), 0, 2)
