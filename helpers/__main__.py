@@ -1,5 +1,5 @@
-"""Command line: `python -m helpers env [--json]`, `bench-attention`, `flops`, `bench-load`, `run-notebooks`,
-`sync-bootstrap`; `python -m helpers COMMAND --help` for each."""
+"""Command line: `python -m helpers env [--json]`, `bench-attention`, `flops`, `bench-load`, `bench-serve`,
+`bench-train`, `run-notebooks`, `sync-bootstrap`; `python -m helpers COMMAND --help` for each."""
 
 from __future__ import annotations
 
@@ -64,6 +64,56 @@ def _bench_load(args: argparse.Namespace) -> int:
     results = bench_load(args.model, args.only, device=args.device or default_device_type(), repeats=args.repeats,
                          cold=args.cold, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(json.dumps(results_as_dicts(results), indent=2) if args.json else format_results(results))
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from .device import default_device_type
+    from .scale import by_scale, current_scale
+    from .serving_bench import bench_serve, format_report
+
+    device = args.device or default_device_type()
+    model, requests, max_batch, block_size = by_scale(current_scale(device), smoke=("gpt-smoke", 16, 4, 8),
+                                                      cpu=("gpt-cpu", 64, 16, 8), gpu=("gpt2-small", 256, 64, 16))
+    given = {"requests": args.requests, "max-batch": args.max_batch, "block-size": args.block_size}
+    defaults = {"requests": requests, "max-batch": max_batch, "block-size": block_size}
+    sizes = {name: defaults[name] if value is None else value for name, value in given.items()}
+    sizes["num-blocks"], sizes["repeats"] = args.num_blocks, args.repeats
+    bad = [f"--{name} {value}" for name, value in sizes.items() if value is not None and value < 1]
+    if bad:
+        print(f"error: {', '.join(bad)}: must be 1 or more", file=sys.stderr)
+        return 2
+    try:
+        report, _ = bench_serve(args.model or model, sizes["requests"], sizes["max-batch"], sizes["block-size"],
+                                seed=args.seed, device=device, num_blocks=args.num_blocks, repeats=args.repeats,
+                                progress=lambda name: print(f"serving with {name} ...", file=sys.stderr, flush=True))
+    except ValueError as err:  # e.g. --num-blocks too small for a request: say so, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _bench_train(args: argparse.Namespace) -> int:
+    from .config import PRESETS
+    from .device import default_device_type
+    from .scale import by_scale, current_scale
+    from .train_bench import bench_train, format_report
+
+    device = args.device or default_device_type()
+    model, batch, ctx, steps = by_scale(current_scale(device), smoke=("gpt-smoke", 2, 64, 2),
+                                        cpu=("gpt-cpu", 4, 128, 4), gpu=("gpt2-small", 8, 1024, 10))
+    model = args.model or model
+    ctx = min(ctx, PRESETS[model].context_length) if args.ctx is None else args.ctx
+    batch = batch if args.batch is None else args.batch
+    steps = steps if args.steps is None else args.steps
+    try:
+        report = bench_train(model, batch, ctx, steps, args.warmup, args.accumulation, device, args.until,
+                             progress=True)
+    except ValueError as err:  # sizes that cannot run: say which flag to change, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
 
@@ -144,6 +194,37 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--cold", action="store_true", help="drop the checkpoint from the page cache before each run")
     load.add_argument("--json", action="store_true", help="a JSON list instead of a table")
     load.set_defaults(func=_bench_load)
+
+    serve = commands.add_parser("bench-serve", help="continuous vs static batching: throughput, latency, KV memory")
+    serve.add_argument("--model", choices=list(PRESETS),
+                       help="preset, random weights (default: by scale: gpt-smoke, gpt-cpu, gpt2-small)")
+    serve.add_argument("--requests", type=int, help="requests in the mixed workload (default: by scale 16, 64, 256)")
+    serve.add_argument("--max-batch", type=int, help="sequences per batch (default: by scale 4, 16, 64)")
+    serve.add_argument("--block-size", type=int, help="tokens per KV block of the paged cache (default: 8, 8, 16)")
+    serve.add_argument("--num-blocks", type=int,
+                       help="blocks of the paged cache (default: the contiguous cache's memory, max-batch rows)")
+    serve.add_argument("--repeats", type=int, default=2,
+                       help="runs per engine, in turn; the fastest of each is reported (default: 2)")
+    serve.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload (default: 0)")
+    serve.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: the best available")
+    serve.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    serve.set_defaults(func=_bench_serve)
+
+    from .train_bench import LADDER
+
+    train = commands.add_parser("bench-train", help="the training-speed ladder (tokens/s, MFU) and transformers' GPT-2")
+    train.add_argument("--model", choices=list(PRESETS),
+                       help="preset, random weights (default: by scale: gpt-smoke, gpt-cpu, gpt2-small)")
+    train.add_argument("--batch", type=int, help="sequences per micro-batch (default: by scale 2, 4, 8)")
+    train.add_argument("--ctx", type=int, help="tokens per sequence (default: by scale 64, 128, 1024)")
+    train.add_argument("--steps", type=int, help="timed optimizer steps per rung; medians (default: by scale 2, 4, 10)")
+    train.add_argument("--warmup", type=int, default=2, help="untimed steps first, compilation included (default: 2)")
+    train.add_argument("--accumulation", type=int, default=4,
+                       help="micro-batches per optimizer step on the accumulation rung (default: 4)")
+    train.add_argument("--until", choices=LADDER, help="stop after this rung (e.g. accumulation: no torch.compile)")
+    train.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: the best available")
+    train.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    train.set_defaults(func=_bench_train)
 
     run = commands.add_parser("run-notebooks", help="execute notebooks headless into a report folder")
     run.add_argument("notebooks", nargs="*", help="notebooks to run (default: every chapter's)")

@@ -1,0 +1,168 @@
+"""PagedAttention's memory layer (Kwon et al. 2023, the paper behind vLLM): the KV cache lives in fixed-size
+blocks, each sequence has a block table (its blocks in order), and a free list hands blocks out and takes them
+back. A sequence holds ceil(tokens / block_size) blocks, so at most one partly filled block per sequence is
+wasted, and a finished sequence's blocks are reused at once by any other sequence.
+
+Attention reads keys and values through the block table; the attention math itself is unchanged (scores are
+scaled by 1/sqrt(head_dim), never by the block size). `gather` copies a sequence's blocks into one tensor, the
+readable version of what a fused paged-attention kernel does in place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+
+import torch
+import torch.nn.functional as F
+
+
+class OutOfBlocks(RuntimeError):
+    """No free block: a scheduler makes the request wait, or preempts another one."""
+
+
+class BlockAllocator:
+    """Block ids 0..num_blocks-1 on a free list. Allocation is all-or-nothing, and a double free is an error,
+    so `num_free + num_used == num_blocks` always holds."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids are handed out first
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` free block ids, or OutOfBlocks (allocating none) when fewer than `n` are free."""
+        if n > len(self._free):
+            raise OutOfBlocks(f"{n} blocks requested but only {len(self._free)} of {self.num_blocks} are free")
+        blocks = [self._free.pop() for _ in range(n)]
+        self._used.update(blocks)
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        """Return blocks to the free list; all are checked first, so a bad list frees nothing."""
+        bad = [b for b in blocks if b not in self._used]
+        if bad or len(set(blocks)) != len(blocks):
+            raise ValueError(f"cannot free blocks {blocks}: {bad or 'duplicates'} not allocated (a double free?)")
+        self._used.difference_update(blocks)
+        self._free.extend(reversed(blocks))
+
+
+class PagedKVCache:
+    """Keys and values of every layer in `num_blocks` blocks of `block_size` token slots each.
+
+    Storage is (n_layers, num_blocks, block_size, n_heads, head_dim) for keys and the same for values. Token
+    `p` of a sequence lives in slot `p % block_size` of block `block_table[p // block_size]`.
+    """
+
+    def __init__(self, n_layers: int, n_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_size = block_size
+        shape = (n_layers, num_blocks, block_size, n_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_tables: dict[Hashable, list[int]] = {}
+        self._tables: dict[Hashable, torch.Tensor] = {}  # the same tables as tensors, for indexing
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def allocated_slots(self) -> int:
+        """Token slots in blocks that some sequence holds (used or not)."""
+        return self.allocator.num_used * self.block_size
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of keys and values one token takes across all layers."""
+        return 2 * self.k[:, 0, 0].numel() * self.k.element_size()
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return math.ceil(n_tokens / self.block_size)
+
+    def blocks_missing(self, seq_id: Hashable, n_tokens: int) -> int:
+        """Blocks `seq_id` still needs to hold `n_tokens` tokens."""
+        return max(0, self.blocks_for(n_tokens) - len(self.block_tables.get(seq_id, ())))
+
+    def can_hold(self, seq_id: Hashable, n_tokens: int) -> bool:
+        return self.blocks_missing(seq_id, n_tokens) <= self.allocator.num_free
+
+    def reserve(self, seq_id: Hashable, n_tokens: int) -> None:
+        """Grow `seq_id`'s block table (creating it if new) to hold `n_tokens` tokens; OutOfBlocks if it can't."""
+        new = self.allocator.allocate(self.blocks_missing(seq_id, n_tokens))
+        table = self.block_tables.setdefault(seq_id, [])
+        if new or seq_id not in self._tables:
+            table.extend(new)
+            self._tables[seq_id] = torch.tensor(table, dtype=torch.long, device=self.k.device)
+
+    def release(self, seq_id: Hashable) -> None:
+        """Free every block of `seq_id`: they go straight back on the free list for other sequences."""
+        self.allocator.free(self.block_tables.pop(seq_id))
+        del self._tables[seq_id]
+
+    def slots(self, seq_id: Hashable, start: int, end: int) -> torch.Tensor:
+        """Flat slot indices (block * block_size + offset) of positions start..end-1 of `seq_id`."""
+        if end > len(self.block_tables[seq_id]) * self.block_size:
+            raise ValueError(f"positions up to {end} of sequence {seq_id!r} are beyond its reserved blocks")
+        pos = torch.arange(start, end, device=self.k.device)
+        return self._tables[seq_id][pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def padded_slots(self, seq_ids: list[Hashable], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots of positions 0..length-1 of several sequences, padded to the longest: (slots, valid), both of
+        shape (sequences, max length); padding points at slot 0 and is False in `valid`."""
+        device, width = self.k.device, self.blocks_for(max(lengths))
+        pos = torch.arange(max(lengths), device=device)
+        valid = pos < torch.tensor(lengths, device=device)[:, None]
+        rows = [self.block_tables[s][: self.blocks_for(n)] for s, n in zip(seq_ids, lengths, strict=True)]
+        tables = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
+        slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        return slots.masked_fill(~valid, 0), valid
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v of shape (tokens, n_heads, head_dim) into the given flat slots of one layer."""
+        self.k[layer].view(-1, *k.shape[1:])[slots] = k
+        self.v[layer].view(-1, *v.shape[1:])[slots] = v
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one layer at the given flat slots: shape slots.shape + (n_heads, head_dim)."""
+        return self.k[layer].flatten(0, 1)[slots], self.v[layer].flatten(0, 1)[slots]
+
+    def gather(self, layer: int, seq_id: Hashable, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` keys and values of `seq_id` at one layer, read through its block table, as
+        (n_heads, length, head_dim) tensors."""
+        k, v = self.read(layer, self.slots(seq_id, 0, length))
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of new queries over a sequence's cached keys: q (heads, n, head_dim) holds positions
+    start..start+n-1, k and v (heads, start+n, head_dim) hold positions 0..start+n-1. Query i sees keys 0..start+i.
+
+    The same softmax(q k^T / sqrt(head_dim)) v as any attention: where k and v came from does not enter the math.
+    """
+    n = q.size(1)
+    if n == 1:  # one new token (decoding) sees every cached key
+        return F.scaled_dot_product_attention(q, k, v)
+    if start == 0:  # a whole prompt: the usual causal mask
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    allowed = torch.arange(k.size(1), device=q.device) <= torch.arange(start, start + n, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """One new token per sequence, batched: q (batch, heads, 1, head_dim) attends over k, v (batch, heads, L,
+    head_dim) where `valid` (batch, L) is False at the padding of sequences shorter than L."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])

@@ -1,0 +1,252 @@
+"""The training-speed ladder: every rung trains correctly, transformers' GPT-2 is a true peer, the report holds up."""
+
+import copy
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import GPT, GPTConfig
+from helpers.__main__ import main
+from helpers.device import REFERENCE_DEVICES, detect_capabilities
+from helpers.flops import training_step_flops
+from helpers.train_bench import (
+    LADDER,
+    StepSettings,
+    TrainingStep,
+    make_batches,
+    padded_vocab_model,
+    peer_logits,
+    plan_ladder,
+    transformers_peer,
+)
+from helpers.weights import hf_names, is_conv1d
+
+# A vocabulary that is not a multiple of 64, so the padding rung applies (97 -> 128).
+TINY = GPTConfig(vocab_size=97, context_length=32, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(TINY)
+
+
+def reference_loss(model: GPT, batches) -> float:
+    """Plain fp32 cross-entropy of `model` over the micro-batches: the reference every rung is checked against."""
+    with torch.no_grad():
+        return sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item() for x, y in batches) / len(batches)
+
+
+# ---- the plan: a pure function of the device ----
+
+
+def applied(rungs):
+    return [r for r in rungs if r.settings is not None]
+
+
+def test_every_rung_changes_one_setting_of_the_rung_before():
+    rungs = plan_ladder(REFERENCE_DEVICES["a100"], batch=8, ctx=1024, accumulation=4)
+    assert [r.name for r in rungs] == list(LADDER) and len(applied(rungs)) == len(LADDER)
+    for before, after in zip(rungs, rungs[1:], strict=False):
+        a, b = dataclasses.asdict(before.settings), dataclasses.asdict(after.settings)
+        assert sum(a[k] != b[k] for k in a) == 1, after.name
+    top = rungs[-1].settings
+    assert (top.tf32, top.fused_adamw, top.autocast, top.attn_implementation, top.vocab_multiple,
+            top.accumulation, top.compile) == (True, True, "bfloat16", "sdpa", 64, 4, True)
+
+
+@pytest.mark.parametrize("device, skipped, autocast", [
+    ("cpu", {"tf32"}, "bfloat16"),
+    ("cpu-no-bf16", {"tf32", "autocast"}, None),
+    ("mps", {"tf32"}, "bfloat16"),
+    ("t4", {"tf32"}, "float16"),
+    ("h100", set(), "bfloat16"),
+])
+def test_rungs_that_do_not_apply_are_skipped_with_a_reason(device, skipped, autocast):
+    caps = REFERENCE_DEVICES[device]
+    rungs = plan_ladder(caps, batch=2, ctx=64)
+    assert {r.name for r in rungs if r.settings is None} == skipped
+    for r in rungs:
+        assert r.note  # what it does, or why not
+    assert rungs[-1].settings.autocast == autocast
+    if device == "t4":
+        autocast_rung = next(r for r in rungs if r.name == "autocast")
+        assert "GradScaler" in autocast_rung.note and autocast_rung.label == "fp16 autocast"
+        assert "8.0" in next(r for r in rungs if r.name == "tf32").note
+
+
+def test_plan_stops_where_asked_and_skips_what_is_already_done():
+    rungs = plan_ladder(REFERENCE_DEVICES["cpu"], 2, 64, accumulation=1, vocab_size=128, until="accumulation")
+    assert [r.name for r in rungs] == list(LADDER[: LADDER.index("accumulation") + 1])
+    assert {r.name for r in rungs if r.settings is None} == {"tf32", "pad_vocab", "accumulation"}
+    with pytest.raises(ValueError, match="rungs, in order"):
+        plan_ladder(REFERENCE_DEVICES["cpu"], 2, 64, until="warp_speed")
+
+
+# ---- each rung's step against a plain fp32 reference ----
+
+
+def test_each_eager_rung_trains_like_the_fp32_reference():
+    """First-step loss of every rung equals the plain fp32 loss on the same weights and batches (bf16: within its
+    rounding); fp32 rungs make the same update as torch's reference AdamW; every rung lowers the loss."""
+    caps = detect_capabilities("cpu")
+    for rung in applied(plan_ladder(caps, batch=2, ctx=16, accumulation=3, vocab_size=TINY.vocab_size,
+                                    until="accumulation")):
+        s = rung.settings
+        model = tiny_model()
+        reference = copy.deepcopy(model).set_attn_implementation(s.attn_implementation)
+        if s.vocab_multiple > 1:
+            model = padded_vocab_model(model, s.vocab_multiple)
+        step = TrainingStep(model.set_attn_implementation(s.attn_implementation), s, TINY.vocab_size, lr=3e-3)
+        batches = make_batches(TINY.vocab_size, s, "cpu", seed=1)
+        expected = reference_loss(reference, batches)
+        first = step(batches).item()
+        assert first == pytest.approx(expected, rel=1e-5 if s.autocast is None else 1e-2), rung.name
+        if s.autocast is None:  # the update itself: torch's reference AdamW (for-loop) on the fp32 loss
+            optimizer = torch.optim.AdamW(reference.parameters(), lr=step.optimizer.defaults["lr"], foreach=False)
+            for x, y in batches:
+                (F.cross_entropy(reference(x).flatten(0, 1), y.flatten()) / len(batches)).backward()
+            optimizer.step()
+            for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+                real = ours[tuple(slice(0, n) for n in theirs.shape)]  # a padded vocabulary's real rows
+                torch.testing.assert_close(real, theirs, rtol=1e-5, atol=1e-6, msg=f"{rung.name}: {name}")
+        losses = [step(batches).item() for _ in range(3)]
+        assert losses[-1] < first - 0.05, rung.name
+
+
+def test_accumulated_micro_batches_update_like_one_large_batch():
+    settings = StepSettings(batch=2, ctx=16, accumulation=3)
+    batches = make_batches(TINY.vocab_size, settings, "cpu", seed=2)
+    accumulated, whole = tiny_model(), tiny_model()
+    TrainingStep(accumulated, settings, TINY.vocab_size)(batches)
+    x, y = (torch.cat(parts) for parts in zip(*batches, strict=True))
+    TrainingStep(whole, dataclasses.replace(settings, batch=6, accumulation=1), TINY.vocab_size)([(x, y)])
+    for a, b in zip(accumulated.parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_padded_vocabulary_trains_exactly_like_the_original():
+    """Same loss and gradients on the real rows (the padding rows get none), and the same losses over steps."""
+    model = tiny_model()
+    padded = padded_vocab_model(model, 64)
+    assert padded.config.vocab_size == 128 and padded.lm_head.weight is padded.tok_emb.weight
+    settings = StepSettings(batch=2, ctx=16, fused_adamw=True)
+    batches = make_batches(TINY.vocab_size, settings, "cpu", seed=3)
+    x, y = batches[0]
+    losses = [F.cross_entropy(m(x)[..., : TINY.vocab_size].flatten(0, 1), y.flatten()) for m in (model, padded)]
+    torch.testing.assert_close(losses[1], losses[0])
+    for loss in losses:
+        loss.backward()
+    grad = padded.tok_emb.weight.grad
+    torch.testing.assert_close(grad[: TINY.vocab_size], model.tok_emb.weight.grad)
+    assert grad[TINY.vocab_size :].abs().max() == 0
+    model.zero_grad(), padded.zero_grad()
+    steps = [TrainingStep(m, settings, TINY.vocab_size) for m in (model, padded)]
+    trained = [[step(batches).item() for _ in range(4)] for step in steps]
+    assert trained[1] == pytest.approx(trained[0], rel=1e-5)
+
+
+# ---- transformers' GPT-2 as the peer ----
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_transformers_peer_has_our_loss_and_gradients(attn_implementation):
+    model = tiny_model().set_attn_implementation(attn_implementation)
+    peer = transformers_peer(model)
+    assert peer.config._attn_implementation == attn_implementation and not peer.config.use_cache
+    x, y = make_batches(TINY.vocab_size, StepSettings(batch=3, ctx=32), "cpu", seed=4)[0]
+    ours = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    theirs = F.cross_entropy(peer_logits(peer, x).flatten(0, 1), y.flatten())
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+    ours.backward()
+    theirs.backward()
+    peer_grads = {name.removeprefix("transformer."): p.grad for name, p in peer.named_parameters()}
+    for name, p in model.named_parameters():
+        hf = hf_names(TINY)[name]
+        grad = peer_grads[hf].t() if is_conv1d(hf) else peer_grads[hf]
+        torch.testing.assert_close(grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_transformers_peer_refuses_an_attention_it_does_not_have():
+    with pytest.raises(ValueError, match="no attention implementation like 'einsum'"):
+        transformers_peer(tiny_model(), "einsum")
+
+
+# ---- the report ----
+
+
+def check_report(report: dict) -> None:
+    """What every report must satisfy: each measured rung's numbers agree with each other, the best rung is the
+    fastest, and the ratios are what the comparison measured."""
+    rungs = {r["name"]: r for r in report["rungs"]}
+    assert list(rungs) == list(LADDER[: len(rungs)])
+    for r in rungs.values():
+        assert {"name", "label", "status", "note", "tokens_per_s", "mfu"} <= set(r) and r["note"]
+        if r["status"] != "ok":
+            assert r["tokens_per_s"] is None and r["mfu"] is None
+            continue
+        s = r["settings"]
+        tokens = s["batch"] * s["ctx"] * s["accumulation"]
+        assert r["tokens_per_s"] == pytest.approx(tokens / (r["step_ms"] / 1e3))
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * report["flops_per_token"] / report["peak_flops"])
+        assert math.isfinite(r["first_loss"]) and r["last_loss"] < r["first_loss"]
+    best = max((r for r in rungs.values() if r["status"] == "ok"), key=lambda r: r["tokens_per_s"])
+    c = report["transformers"]
+    assert report["best_rung"] == best["name"] == c["best_rung"] and c["status"] == "ok"
+    eager = c["ours_tokens_per_s"] / c["transformers_eager_tokens_per_s"]
+    assert report["ratio_vs_transformers_eager"] == pytest.approx(eager)
+    if best["settings"]["compile"]:
+        compiled = c["ours_tokens_per_s"] / c["transformers_compiled_tokens_per_s"]
+        assert report["ratio_vs_transformers"] == report["ratio_vs_transformers_compiled"] == pytest.approx(compiled)
+        assert report["ratio_vs_transformers_is"] == "compiled"
+    else:
+        assert report["ratio_vs_transformers"] == report["ratio_vs_transformers_eager"]
+        assert report["ratio_vs_transformers_is"] == "eager" and report["ratio_vs_transformers_compiled"] is None
+    # ours and the peer start from the same weights and train on the same batches: the same first loss
+    for name, loss in c["first_loss"].items():
+        assert loss == pytest.approx(c["first_loss"]["ours"], rel=1e-2), name
+
+
+def test_bench_train_json_has_the_rungs_and_consistent_numbers(capsys):
+    flags = ["--model", "gpt-smoke", "--batch", "2", "--ctx", "16", "--steps", "2", "--warmup", "1",
+             "--until", "sdpa", "--device", "cpu", "--json"]
+    assert main(["bench-train", *flags]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["model"], report["batch"], report["ctx"]) == ("gpt-smoke", 2, 16)
+    assert report["flops_per_token"] == training_step_flops(GPTConfig.from_preset("gpt-smoke"), 2, 16) / 32
+    assert [r["name"] for r in report["rungs"]] == list(LADDER[: LADDER.index("sdpa") + 1])
+    assert report["rungs"][1]["status"] == "skipped"  # TF32 on a CPU
+    check_report(report)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ctx", "65"], "--ctx 64 or less"),
+    (["--ctx", "0"], "outside 1..64"),
+    (["--batch", "0"], "--batch 0 must be 1 or more"),
+    (["--steps", "0"], "--steps 0 must be 1 or more"),
+])
+def test_bench_train_refuses_bad_flags(capsys, flags, message):
+    assert main(["bench-train", "--model", "gpt-smoke", "--device", "cpu", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_gpu_benchmark_script_runs_in_smoke_mode(tmp_path):
+    """The GPU script's code path at tiny size on CPU: every rung, torch.compile included, and the peer race."""
+    script = ROOT / "ch05_training" / "gpu_benchmark.py"
+    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], check=True,
+                   capture_output=True, text=True)
+    (result,) = tmp_path.glob("train_speed_*.json")
+    report = json.loads(result.read_text())
+    rungs = {r["name"]: r for r in report["rungs"]}
+    assert list(rungs) == list(LADDER) and list(tmp_path.glob("train_speed_*.png"))
+    assert rungs["compile"]["status"] == "ok"
+    # compiled: the same first loss as the eager rung below it (same weights, batches and precision)
+    assert rungs["compile"]["first_loss"] == pytest.approx(rungs["accumulation"]["first_loss"], rel=1e-3)
+    check_report(report)
