@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import GPTConfig
-from .model import GPT
+from .model import GPT, sample_next_token
 
 
 def kv_cache_bytes_per_token(config: GPTConfig, dtype: torch.dtype = torch.float32) -> int:
@@ -100,22 +100,6 @@ def forward_cached(model: GPT, idx: torch.Tensor, cache: KVCache, all_logits: bo
     if not all_logits:
         x = x[:, -1]
     return model.lm_head(model.ln_f(x))
-
-
-def sample_next_token(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Next token ids (batch, 1) from last-position logits (batch, vocab), with the same operations as
-    `GPT.generate` (so the same generator state draws the same tokens): greedy at temperature 0, else
-    softmax(logits / temperature) over the top_k most likely tokens."""
-    logits = logits.float()
-    if temperature == 0.0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
 
 @torch.no_grad()

@@ -81,6 +81,22 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def sample_next_token(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Next token ids (batch, 1) from last-position logits (batch, vocab): greedy at temperature 0, else
+    softmax(logits / temperature) over the top_k most likely tokens. Every decoder (with or without a KV cache)
+    uses this one rule, so the same generator state draws the same tokens."""
+    logits = logits.float()
+    if temperature == 0.0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+
+
 class GPT(nn.Module):
     """A GPT-2-architecture language model; `forward` maps token ids to next-token logits."""
 
@@ -176,16 +192,7 @@ class GPT(nn.Module):
         self.eval()
         try:
             for _ in range(max_new_tokens):
-                logits = self(idx[:, -ctx:])[:, -1, :].float()
-                if temperature == 0.0:
-                    next_id = logits.argmax(dim=-1, keepdim=True)
-                else:
-                    logits = logits / temperature
-                    if top_k is not None:
-                        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, float("-inf"))
-                    probs = F.softmax(logits, dim=-1)
-                    next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+                next_id = sample_next_token(self(idx[:, -ctx:])[:, -1, :], temperature, top_k, generator)
                 idx = torch.cat([idx, next_id], dim=1)
         finally:
             self.train(was_training)
