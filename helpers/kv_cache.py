@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import GPTConfig
-from .model import GPT, sample_next_token
+from .model import GPT, cached_positions, check_decoding, check_prompt, sample_next_token
 
 
 def kv_cache_bytes_per_token(config: GPTConfig, dtype: torch.dtype = torch.float32) -> int:
@@ -116,30 +116,25 @@ def generate_with_cache(
     Returns the prompts with `max_new_tokens` tokens appended, the same tokens `GPT.generate` picks
     (up to floating-point ties: a one-token step and a whole-sequence forward round differently).
     """
-    if idx.dim() != 2 or idx.size(1) == 0 or idx.is_floating_point():
-        raise ValueError(f"expected integer token ids of shape (batch, seq) with seq >= 1, got {idx.dtype} "
-                         f"of shape {tuple(idx.shape)}; pad or group prompts to equal length")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
-        raise ValueError(f"top_k must be in [1, {model.config.vocab_size}], got {top_k}")
-    ctx, total = model.config.context_length, idx.size(1) + max_new_tokens
-    if total > ctx:
+    check_prompt(idx, model.config.vocab_size)
+    check_decoding(max_new_tokens, temperature, top_k, model.config.vocab_size)
+    ctx, cached = model.config.context_length, cached_positions(idx.size(1), max_new_tokens)
+    if idx.size(1) > ctx:
+        raise ValueError(f"the prompt has {idx.size(1)} tokens but the context length is {ctx}; shorten it (e.g. "
+                         f"keep its last {ctx - max_new_tokens + 1} tokens to generate {max_new_tokens})")
+    if cached > ctx:
         raise ValueError(
-            f"prompt ({idx.size(1)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the context "
-            f"length {ctx}. A KV cache cannot slide like GPT.generate's window: the positions of every kept "
-            "token would change, so all their keys and values would have to be recomputed. Lower max_new_tokens "
-            f"or shorten the prompt to at most {ctx} tokens in total, or use GPT.generate (no cache, sliding window)"
+            f"a {idx.size(1)}-token prompt plus {max_new_tokens} new tokens needs {cached} cached positions (the "
+            f"last new token is never fed back) but the context length is {ctx}. A KV cache cannot slide like "
+            "GPT.generate's window: the positions of every kept token would change, so all their keys and values "
+            f"would have to be recomputed. Set max_new_tokens to {ctx - idx.size(1) + 1} or less, shorten the "
+            "prompt, or use GPT.generate (no cache, sliding window)"
         )
-    if max_new_tokens == 0:
-        return idx
     was_training = model.training
     model.eval()
     try:
         dtype = model.pos_emb.weight.dtype  # the activations' dtype (quantization leaves this embedding alone)
-        cache = KVCache(model.config, idx.size(0), total, dtype, idx.device)
+        cache = KVCache(model.config, idx.size(0), cached, dtype, idx.device)
         logits = forward_cached(model, idx, cache)  # prefill
         tokens = [idx]
         for step in range(max_new_tokens):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import GPT
+from .model import GPT, cached_positions, check_decoding
 from .paged_kv import PagedKVCache, attend, attend_decode
 
 SCHEDULINGS = ("continuous", "static")
@@ -176,12 +176,14 @@ class Engine:
             raise ValueError(f"request {rid!r}: prompt token ids must be integers in [0, {cfg.vocab_size})")
         if request.eos_id is not None and not 0 <= request.eos_id < cfg.vocab_size:
             raise ValueError(f"request {rid!r}: eos_id {request.eos_id} is outside [0, {cfg.vocab_size})")
-        if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
-            raise ValueError(f"request {rid!r}: max_tokens must be a positive integer, got {request.max_tokens!r}")
+        try:
+            check_decoding(request.max_tokens, 0.0, None, cfg.vocab_size)
+        except ValueError as err:
+            raise ValueError(f"request {rid!r}: {err}".replace("max_new_tokens", "max_tokens")) from None
         if len(prompt) > cfg.context_length:
             raise ValueError(f"request {rid!r}: the prompt has {len(prompt)} tokens but the context length is "
                              f"{cfg.context_length}; shorten it (e.g. keep its last {cfg.context_length} tokens)")
-        cached = len(prompt) + request.max_tokens - 1  # the last generated token is never fed back
+        cached = cached_positions(len(prompt), request.max_tokens)
         if cached > cfg.context_length:
             raise ValueError(f"request {rid!r}: a {len(prompt)}-token prompt plus {request.max_tokens} new tokens "
                              f"needs {cached} positions but the context length is {cfg.context_length}; "
@@ -233,24 +235,27 @@ class Engine:
         return plan, preempted
 
     def _schedule_static(self) -> tuple[list[tuple[_Sequence, int, int]], int]:
-        """A new batch only when the last one is done; each reserves its full length; finished rows pad."""
+        """A new batch only when the last one is done; each reserves its full length; finished rows pad.
+
+        Unfinished rows take the token budget first: a padding row only spends what is left, so a small
+        `max_step_tokens` slows the batch down but cannot starve it."""
         if not self.running:
             while self.waiting and len(self.running) < self.max_batch:
                 seq = self.waiting[0]
-                if not self.cache.can_hold(seq.request.request_id, len(seq.tokens) + seq.request.max_tokens - 1):
+                full = cached_positions(len(seq.tokens), seq.request.max_tokens)
+                if not self.cache.can_hold(seq.request.request_id, full):
                     break
-                self._admit(seq, len(seq.tokens) + seq.request.max_tokens - 1)
+                self._admit(seq, full)
         plan, budget = [], self.max_step_tokens
         for seq in self.running:
-            if budget == 0:
-                break
-            if seq.finish_reason is not None:  # padding: recompute its last cached token, discard the result
+            if seq.finish_reason is None and budget > 0:
+                n = min(len(seq.tokens) - seq.num_computed, budget)
+                plan.append((seq, seq.num_computed, n))
+                budget -= n
+        for seq in self.running:
+            if seq.finish_reason is not None and budget > 0:  # padding: recompute its last cached token
                 plan.append((seq, seq.num_computed - 1, 1))
                 budget -= 1
-                continue
-            n = min(len(seq.tokens) - seq.num_computed, budget)
-            plan.append((seq, seq.num_computed, n))
-            budget -= n
         return plan, 0
 
     def _admit(self, seq: _Sequence, reserve_tokens: int) -> None:
@@ -321,6 +326,10 @@ class Engine:
         plan.sort(key=lambda row: row[2] > 1)  # one-token rows first: their attention is one batched call
         if not plan:
             raise RuntimeError("no sequence could be scheduled" if self.has_work else "nothing to run: submit first")
+        if all(seq.finish_reason is not None for seq, _, _ in plan):  # only padding: no sequence would advance
+            raise RuntimeError(f"the {self.scheduling} scheduler planned an iteration in which no sequence advances "
+                               f"(max_step_tokens={self.max_step_tokens}, max_batch={self.max_batch}); this is a bug "
+                               "in the engine: please report it with these settings")
         was_training = self.model.training
         self.model.eval()
         try:

@@ -95,22 +95,31 @@ def test_generation_fills_the_context_exactly():
     assert torch.equal(generate_with_cache(model, idx, new), model.generate(idx, new))
 
 
-def test_zero_new_tokens_returns_the_prompt():
+def test_the_last_new_token_needs_no_cache_slot():
+    """A full-context prompt still gets one new token, and prompt + new may reach context + 1: the last token is
+    returned, never fed back (the serving engine's rule)."""
     model = model_for(TINY)
-    idx = torch.randint(0, TINY.vocab_size, (2, 5))
-    assert torch.equal(generate_with_cache(model, idx, 0), idx)
+    idx = torch.randint(0, TINY.vocab_size, (2, TINY.context_length), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(generate_with_cache(model, idx, 1), model.generate(idx, 1))
+    short = idx[:, :8]
+    new = TINY.context_length - 8 + 1
+    assert torch.equal(generate_with_cache(model, short, new), model.generate(short, new))
+    with pytest.raises(ValueError, match=f"needs {TINY.context_length + 1} cached positions"):
+        generate_with_cache(model, short, new + 1)
 
 
 @pytest.mark.parametrize(
     ("shape", "new", "kwargs", "message"),
     [
-        ((1, 40), 9, {}, "cannot slide"),
-        ((1, 4), -1, {}, "max_new_tokens must be an integer >= 0"),
-        ((1, 4), 2.0, {}, "max_new_tokens must be an integer >= 0"),
+        ((1, 40), 10, {}, "cannot slide"),
+        ((1, 49), 1, {}, "the prompt has 49 tokens but the context length is 48"),
+        ((1, 4), 0, {}, "max_new_tokens must be an integer >= 1"),
+        ((1, 4), -1, {}, "max_new_tokens must be an integer >= 1"),
+        ((1, 4), 2.0, {}, "max_new_tokens must be an integer >= 1"),
         ((4,), 2, {}, "shape \\(batch, seq\\)"),
         ((2, 0), 2, {}, "seq >= 1"),
         ((1, 4), 2, {"temperature": -1.0}, "temperature must be >= 0"),
-        ((1, 4), 2, {"temperature": 1.0, "top_k": 0}, "top_k must be in"),
+        ((1, 4), 2, {"temperature": 1.0, "top_k": 0}, "top_k must be an integer in"),
     ],
 )
 def test_bad_input_is_rejected_with_a_clear_error(shape, new, kwargs, message):
@@ -121,8 +130,10 @@ def test_bad_input_is_rejected_with_a_clear_error(shape, new, kwargs, message):
 
 def test_float_prompt_and_cache_overflow_are_rejected():
     model = model_for(TINY)
-    with pytest.raises(ValueError, match="integer token ids"):
+    with pytest.raises(ValueError, match="token ids must be integers"):
         generate_with_cache(model, torch.zeros(1, 3), 2)
+    with pytest.raises(TypeError, match="prompts of different lengths"):
+        generate_with_cache(model, [[1, 2, 3], [4]], 2)
     cache = KVCache(TINY, batch=1, max_len=4, dtype=torch.float64)
     forward_cached(model, torch.zeros(1, 3, dtype=torch.long), cache)
     with pytest.raises(ValueError, match="room for 4 positions; 3 are used"):

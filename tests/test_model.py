@@ -1,6 +1,7 @@
 """The GPT against PyTorch's own transformer layers, and generation behaviour."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -97,6 +98,28 @@ def test_unknown_attention_and_context_overflow_are_clear_errors():
         GPT(TINY)(torch.zeros(1, 33, dtype=torch.long))
 
 
+@pytest.mark.parametrize("bad, where", [(97, (0, 2)), (-1, (1, 0)), (10**6, (1, 3))])
+def test_token_ids_outside_the_vocabulary_are_named(bad, where):
+    model = GPT(TINY)
+    idx = torch.zeros(2, 4, dtype=torch.long)
+    idx[where] = bad
+    message = re.escape(f"token id {bad} at index {where} is outside the vocabulary [0, 97)")
+    with pytest.raises(ValueError, match=message):
+        model(idx)
+    with pytest.raises(ValueError, match=message):
+        model.generate(idx, 2)
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        model(idx.float())
+
+
+def test_the_token_id_check_leaves_fake_tensors_alone():
+    """FLOP counting runs the model on fake tensors, whose values cannot be read."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert GPT(TINY)(torch.zeros(2, 4, dtype=torch.long)).shape == (2, 4, TINY.vocab_size)
+
+
 def test_greedy_generation_equals_argmax_loop():
     torch.manual_seed(0)
     model = GPT(TINY).eval()
@@ -139,8 +162,12 @@ def test_generation_restores_training_mode_and_rejects_bad_arguments():
     assert model.training
     with pytest.raises(ValueError, match="prompt has 33 tokens but the context length is 32"):
         model.generate(torch.zeros(1, 33, dtype=torch.long), 1)
-    with pytest.raises(ValueError, match="top_k must be in"):
+    with pytest.raises(ValueError, match="top_k must be an integer in"):
         model.generate(torch.zeros(1, 1, dtype=torch.long), 1, temperature=1.0, top_k=0)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        model.generate(torch.zeros(1, 1, dtype=torch.long), -1)
+    with pytest.raises(TypeError, match="prompts of different lengths"):
+        model.generate([[1, 2], [3]], 1)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         model.generate(torch.zeros(1, 1, dtype=torch.long), 1, temperature=-1.0)
 

@@ -220,7 +220,7 @@ def test_utilization_paged_wastes_less_than_a_block_per_sequence(model64, reques
 @pytest.mark.parametrize("request_, message", [
     (Request("x", tuple(range(49)), 1), "the prompt has 49 tokens but the context length is 48"),
     (Request("x", tuple(range(40)), 10), "set max_tokens to 9 or less"),
-    (Request("x", (1, 2), 0), "max_tokens must be a positive integer"),
+    (Request("x", (1, 2), 0), "max_tokens must be an integer >= 1"),
     (Request("x", (), 3), "the prompt is empty"),
     (Request("x", (1, 97), 3), r"prompt token ids must be integers in \[0, 97\)"),
     (Request("x", (1, 2), 3, eos_id=-1), "eos_id -1 is outside"),
@@ -248,6 +248,39 @@ def test_duplicate_ids_and_bad_engine_arguments_are_refused(model64):
         Engine(model64, max_batch=1).step()
     with pytest.raises(RuntimeError, match="submit requests first"):
         Engine(model64, max_batch=1).run()
+
+
+def step_until_done(engine, max_iterations=200):
+    """Step an engine a bounded number of times (a stalled engine fails the test instead of hanging it)."""
+    completions = []
+    for _ in range(max_iterations):
+        if not engine.has_work:
+            return completions
+        completions += engine.step()
+    raise AssertionError(f"the engine still had work after {max_iterations} iterations: it makes no progress")
+
+
+@pytest.mark.parametrize("scheduling", ["static", "continuous"])
+@pytest.mark.parametrize("max_step_tokens", [1, 2, 3])
+def test_a_small_token_budget_slows_a_batch_but_never_stalls_it(model64, scheduling, max_step_tokens):
+    """Finished rows of a static batch pad with what budget is left: they must not starve unfinished ones."""
+    engine = Engine(model64, max_batch=2, block_size=4, scheduling=scheduling, max_step_tokens=max_step_tokens)
+    requests = [Request("A", (1,), 1), Request("B", (2, 3), 5), Request("C", (4, 5, 6), 3)]
+    for r in requests:
+        engine.submit(r)
+    done = {c.request_id: c.tokens for c in step_until_done(engine)}
+    assert done == {r.request_id: reference_tokens(model64, r) for r in requests}
+
+
+def test_an_iteration_in_which_no_sequence_advances_is_an_error(model64, monkeypatch):
+    engine = Engine(model64, max_batch=2, scheduling="static")
+    engine.submit(Request("A", (1,), 1))
+    engine.submit(Request("B", (2, 3), 4))
+    engine.step(), engine.step()  # A is finished, B is decoding
+    finished = next(s for s in engine.running if s.finish_reason is not None)
+    monkeypatch.setattr(engine, "_schedule_static", lambda: ([(finished, finished.num_computed - 1, 1)], 0))
+    with pytest.raises(RuntimeError, match="no sequence advances"):
+        engine.step()
 
 
 def test_more_requests_than_the_cache_holds_at_once_are_queued(model64):
