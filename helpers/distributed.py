@@ -74,18 +74,48 @@ def _descendants(pid: int) -> list[int] | None:
     return found
 
 
-def _stop(proc: subprocess.Popen, dump_stacks: bool = False) -> None:
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (Linux's /proc/PID/status SigCgt mask): a worker that has
+    not yet reached `setup` would be killed by SIGUSR1 instead of printing its stack."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _dump_stacks(proc: subprocess.Popen, wait_s: float = 15.0) -> tuple[int, int]:
+    """Ask every worker that can (faulthandler on SIGUSR1, registered by `setup`) to print its stack, and wait until
+    as many stacks have arrived, or `wait_s` passed (a loaded machine may take a while to schedule them); the pipe
+    keeps what was read for the next `communicate`. Returns (workers that were asked, workers)."""
+    workers = _descendants(proc.pid) or []
+    if not hasattr(signal, "SIGUSR1"):
+        return 0, len(workers)
+    ready = [pid for pid in workers if _catches(pid, signal.SIGUSR1)]
+    for pid in ready:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    output, deadline = "", time.monotonic() + wait_s
+    while ready and time.monotonic() < deadline:
+        try:
+            proc.communicate(timeout=0.5)
+            break  # the run ended by itself
+        except subprocess.TimeoutExpired as partial:
+            output = (partial.output or b"").decode(errors="replace")
+        if len(re.findall(r"^(?:Current thread|Thread) 0x", output, flags=re.M)) >= len(ready):
+            time.sleep(0.5)  # the rest of the last stack
+            break
+    return len(ready), len(workers)
+
+
+def _stop(proc: subprocess.Popen) -> None:
     """Kill torchrun and every worker. torchrun starts each worker in a session of its own, so killing
-    torchrun's process group would orphan them: find them first, then kill them all. With `dump_stacks`, each
-    worker first prints where it is waiting (`setup` registers faulthandler on SIGUSR1)."""
+    torchrun's process group would orphan them: find them first, then kill them all."""
     workers = _descendants(proc.pid)
-    if dump_stacks and workers and hasattr(signal, "SIGUSR1"):
-        for pid in workers:
-            try:
-                os.kill(pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-        time.sleep(2)
     if workers is None:  # no /proc: torchrun stops its workers on SIGTERM (it waits up to 30 s for them)
         proc.terminate()
         try:
@@ -147,16 +177,20 @@ def launch(script: str | Path, args: Sequence[object] = (), nproc: int = 2, time
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _stop(proc, dump_stacks=True)
+        asked, workers = _dump_stacks(proc)
+        _stop(proc)
         try:
             output, _ = proc.communicate(timeout=10)  # what the run printed before it was stopped
         except subprocess.TimeoutExpired:
             output = "(no output: a process that outlived the run still holds the pipe)"
+        starting = (f" {workers - asked} of {workers} worker processes had not reached setup() yet (still starting: "
+                    "imports take long on a busy machine)." if asked < workers else "")
         raise DistributedRunError(
-            f"{script.name} on {nproc} processes did not finish within {timeout:.0f} s and was killed. A distributed "
-            "run hangs when one rank waits in a collective (all_reduce, send/recv, a pipeline schedule) that another "
-            "rank never enters; check that every rank makes the same calls in the same order, or raise the timeout "
-            f"for a bigger run. Where each rank was (its stack), then the last output:\n{hang_report(output)}"
+            f"{script.name} on {nproc} processes did not finish within {timeout:.0f} s and was killed.{starting} A "
+            "distributed run hangs when one rank waits in a collective (all_reduce, send/recv, a pipeline schedule) "
+            "that another rank never enters; check that every rank makes the same calls in the same order, or raise "
+            f"the timeout for a bigger run. Where each rank was (its stack), then the last output:\n"
+            f"{hang_report(output)}"
         ) from None
     except BaseException:  # e.g. KeyboardInterrupt in a notebook: do not leave workers behind
         _stop(proc)

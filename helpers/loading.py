@@ -21,7 +21,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,8 +43,10 @@ from .model import GPT
 
 # The file (or folder) each checkpoint format is written to, inside the benchmark's folder.
 CHECKPOINT_FILES = {"pt": "model.pt", "safetensors": "model.safetensors", "tensor-files": "tensors"}
-# The tiny model each measuring process loads first (from `<folder>/warm-up/`), with the same strategy.
-WARM_UP_SIZES = dict(vocab_size=64, context_length=16, d_model=16, n_heads=1, n_layers=1)
+# The one-block model each measuring process loads first (from `<folder>/warm-up/`), with the same strategy: the
+# same widths, so the math library sets up its buffers for these matrix shapes (on some CPUs ~10 MB on the first
+# GEMM with the LM head's shape) before the measurement, not during it.
+WARM_UP_SIZES = dict(context_length=16, n_layers=1)
 
 
 def tie_weights(model: GPT) -> GPT:
@@ -56,6 +58,42 @@ def tie_weights(model: GPT) -> GPT:
     if model.config.tie_weights:
         model.lm_head.weight = model.tok_emb.weight
     return model
+
+
+class StateMismatch(ValueError):
+    """A checkpoint's tensors do not fit the model: which names are missing or unexpected, which shapes differ."""
+
+
+def check_names(model: GPT, names: Iterable[str], source: object) -> None:
+    """Refuse a checkpoint written for another configuration, naming its missing and unexpected tensors.
+
+    Loading one tensor at a time (`strict=False`) would otherwise skip extra layers without a word. A tied LM
+    head may be absent (files that store shared tensors once).
+    """
+    expected, found = set(model.state_dict()), set(names)
+    optional = {"lm_head.weight"} if model.config.tie_weights else set()
+    missing, unexpected = sorted(expected - found - optional), sorted(found - expected)
+    if missing or unexpected:
+        parts = [f"{len(names)} {kind} tensor(s) ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+                 for kind, names in (("missing", missing), ("unexpected", unexpected)) if names]
+        raise StateMismatch(f"{source} does not fit this GPTConfig: {' and '.join(parts)}; it was written for "
+                            "another configuration: build the model with the checkpoint's config")
+
+
+def check_state(model: GPT, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
+    """`check_names`, then every shape: a copy into a parameter of another width would fail with a broadcasting
+    error that names no tensor."""
+    check_names(model, shapes, source)
+    expected = model.state_dict()
+    for name, shape in shapes.items():
+        if tuple(shape) != tuple(expected[name].shape):
+            raise StateMismatch(f"{source}: tensor {name!r} has shape {tuple(shape)}, the model expects "
+                                f"{tuple(expected[name].shape)}; it was written for another configuration: build "
+                                "the model with the checkpoint's config")
+
+
+def shapes_of(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in state.items()}
 
 
 def assign_state_dict(model: GPT, state: Mapping[str, torch.Tensor]) -> GPT:
@@ -73,7 +111,9 @@ def assign_state_dict(model: GPT, state: Mapping[str, torch.Tensor]) -> GPT:
 def load_baseline(path: Path, config: GPTConfig, device: torch.device) -> GPT:
     """Build (and randomly initialise) the model, read the whole file, copy it in: two copies at the peak."""
     model = GPT(config)
-    model.load_state_dict(torch.load(path, weights_only=True))
+    state = torch.load(path, weights_only=True)
+    check_state(model, shapes_of(state), path)
+    model.load_state_dict(state)
     return model.to(device)
 
 
@@ -81,7 +121,9 @@ def load_map_location(path: Path, config: GPTConfig, device: torch.device) -> GP
     """Build the model on the device and load the tensors straight there: two copies, both on the device."""
     with torch.device(device):
         model = GPT(config)
-    model.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+    state = torch.load(path, map_location=device, weights_only=True)
+    check_state(model, shapes_of(state), path)
+    model.load_state_dict(state)
     return model
 
 
@@ -93,6 +135,7 @@ def load_sequential(path: Path, config: GPTConfig, device: torch.device) -> GPT:
     with torch.device(device):
         model = GPT(config)
     state = torch.load(path, map_location="cpu", weights_only=True)
+    check_state(model, shapes_of(state), path)
     with torch.no_grad():
         for name, param in model.named_parameters():  # a tied weight is listed (and copied) once
             param.copy_(state.pop(name))
@@ -104,7 +147,9 @@ def load_meta_to_empty(path: Path, config: GPTConfig, device: torch.device) -> G
     with torch.device("meta"):
         model = GPT(config)
     tie_weights(model.to_empty(device=device))
-    model.load_state_dict(torch.load(path, weights_only=True))
+    state = torch.load(path, weights_only=True)
+    check_state(model, shapes_of(state), path)
+    model.load_state_dict(state)
     return model
 
 
@@ -112,14 +157,18 @@ def load_mmap_assign(path: Path, config: GPTConfig, device: torch.device) -> GPT
     """Map the file (no read), and make the mapped tensors the parameters: no copy at all on CPU."""
     with torch.device("meta"):
         model = GPT(config)
-    return assign_state_dict(model, torch.load(path, mmap=True, weights_only=True, map_location=device))
+    state = torch.load(path, mmap=True, weights_only=True, map_location=device)
+    check_state(model, shapes_of(state), path)
+    return assign_state_dict(model, state)
 
 
 def load_safetensors_file(path: Path, config: GPTConfig, device: torch.device) -> GPT:
     """safetensors' `load_file`: every tensor at once, mapped from the file on CPU."""
     with torch.device("meta"):
         model = GPT(config)
-    return assign_state_dict(model, load_file(path, device=str(device)))
+    state = load_file(path, device=str(device))
+    check_state(model, shapes_of(state), path)
+    return assign_state_dict(model, state)
 
 
 def load_safetensors_lazy(path: Path, config: GPTConfig, device: torch.device) -> GPT:
@@ -127,27 +176,22 @@ def load_safetensors_lazy(path: Path, config: GPTConfig, device: torch.device) -
     with torch.device("meta"):
         model = GPT(config)
     with safe_open(path, framework="pt", device=str(device)) as f:
+        check_state(model, {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}, path)
         for name in f.keys():
             model.load_state_dict({name: f.get_tensor(name)}, strict=False, assign=True)
-    return _check_loaded(tie_weights(model), path)
+    return tie_weights(model)
 
 
 def load_tensor_files(path: Path, config: GPTConfig, device: torch.device) -> GPT:
     """One file per tensor: load and assign them one by one, so at most one tensor is in flight."""
     with torch.device("meta"):
         model = GPT(config)
-    for file in sorted(path.glob("*.pt")):
+    files = sorted(path.glob("*.pt"))
+    check_names(model, [file.stem for file in files], path)  # load_state_dict names a tensor of another shape
+    for file in files:
         tensor = torch.load(file, map_location=device, weights_only=True)
         model.load_state_dict({file.stem: tensor}, strict=False, assign=True)
-    return _check_loaded(tie_weights(model), path)
-
-
-def _check_loaded(model: GPT, path: Path) -> GPT:
-    missing = [name for name, t in model.state_dict().items() if t.is_meta]
-    if missing:
-        raise ValueError(f"{path} lacks {len(missing)} tensor(s) of the model, e.g. {missing[0]!r}: "
-                         "it was written for another configuration; re-create it")
-    return model
+    return tie_weights(model)
 
 
 @dataclass(frozen=True)
@@ -208,7 +252,7 @@ def reference_input(config: GPTConfig, seq: int = 16, device: str | torch.device
 
 def write_checkpoints(directory: str, config: dict, formats: list[str] | None = None, seed: int = 0,
                       seq: int = 16) -> dict:
-    """Write a seeded random model in each format (and a tiny one for warm-up runs); return the file sizes
+    """Write a seeded random model in each format (and a one-block one for warm-up runs); return the file sizes
     and the reference logits."""
     formats = formats or list(CHECKPOINT_FILES)
     for folder, cfg in ((Path(directory) / "warm-up", GPTConfig(**{**config, **WARM_UP_SIZES})),
@@ -274,8 +318,8 @@ def measure_strategy(strategy: str, directory: str, config: dict, device: str = 
     chosen = STRATEGIES[strategy]
     path = Path(directory) / CHECKPOINT_FILES[chosen.checkpoint]
     idx = reference_input(cfg, seq, dev)
-    # A first run on a tiny checkpoint: one-time library set-up (imports behind the meta device, the CUDA
-    # context, kernel selection) is not counted against the strategy.
+    # A first run on a one-block checkpoint of the same widths: one-time library set-up (imports behind the meta
+    # device, the CUDA context, kernel selection, GEMM buffers) is not counted against the strategy.
     warm_cfg = GPTConfig(**{**config, **WARM_UP_SIZES})
     warm_path = Path(directory) / "warm-up" / CHECKPOINT_FILES[chosen.checkpoint]
     touch_every_weight(chosen.load(warm_path, warm_cfg, dev).eval(), reference_input(warm_cfg, seq, dev))

@@ -243,7 +243,8 @@ def matmul_precision(device: torch.device, tf32: bool) -> Iterator[None]:
 class TrainingStep:
     """One optimizer step of `model` under `settings`: `accumulation` micro-batches forward and backward, then AdamW.
 
-    The loss is cross-entropy over the first `vocab_size` logits (so a padded LM head trains as the unpadded one).
+    The loss is cross-entropy over the first `vocab_size` logits (so a padded LM head trains as the unpadded one),
+    in float32 at least (float64 models keep float64).
     `logits` maps (model, token ids) to logits: `gpt_logits` for ours, `peer_logits` for transformers'.
     """
 
@@ -271,7 +272,8 @@ class TrainingStep:
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
             logits = self.logits(self.model, x)
-        return F.cross_entropy(logits[..., : self.vocab_size].flatten(0, 1).float(), y.flatten())
+        logits = logits[..., : self.vocab_size].flatten(0, 1)
+        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), y.flatten())
 
     def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Train on `batches` (the micro-batches of one step); returns their mean loss (a tensor: no sync)."""
