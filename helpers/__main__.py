@@ -9,6 +9,27 @@ import sys
 from pathlib import Path
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse turns the ValueError into a one-line usage error, exit code 2)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+positive_int.__name__ = "integer >= 1"  # how argparse names the type in its message
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise ValueError(text)
+    return value
+
+
+positive_float.__name__ = "number > 0"
+
+
 def _env(args: argparse.Namespace) -> int:
     from .env import environment_report, format_report
 
@@ -23,12 +44,15 @@ def _bench_attention(args: argparse.Namespace) -> int:
     from .scale import by_scale, current_scale
 
     device = args.device or default_device_type()
-    batch, seq, d_model, heads = by_scale(current_scale(device), smoke=(2, 128, 128, 4), cpu=(2, 1024, 768, 12),
-                                          gpu=(8, 1024, 768, 12))
+    defaults = by_scale(current_scale(device), smoke=(2, 128, 128, 4), cpu=(2, 1024, 768, 12), gpu=(8, 1024, 768, 12))
+    batch, seq, d_model, heads = (default if given is None else given for given, default in
+                                  zip((args.batch, args.seq, args.d_model, args.heads), defaults, strict=True))
+    if d_model % heads:
+        args.command_parser.error(f"--heads {heads} does not divide --d-model {d_model}; pick heads in "
+                                  f"{[h for h in range(1, min(d_model, 64) + 1) if d_model % h == 0]}")
     results = bench_attention(
-        batch=args.batch or batch, seq=args.seq or seq, d_model=args.d_model or d_model, heads=args.heads or heads,
-        dtype=args.dtype, device=device, mode=args.mode, names=args.only, min_run_time=args.min_run_time,
-        memory=not args.no_memory,
+        batch=batch, seq=seq, d_model=d_model, heads=heads, dtype=args.dtype, device=device, mode=args.mode,
+        names=args.only, min_run_time=args.min_run_time, memory=not args.no_memory,
     )
     if args.json:
         print(json.dumps(results_as_dicts(results), indent=2))
@@ -45,13 +69,9 @@ def _flops(args: argparse.Namespace) -> int:
 
     config = PRESETS[args.model]
     ctx = config.context_length if args.ctx is None else args.ctx
-    if not 1 <= ctx <= config.context_length:
-        print(f"error: --ctx {ctx} is outside 1..{config.context_length} ({args.model}'s context length); "
-              f"pass --ctx {config.context_length} or less", file=sys.stderr)
-        return 2
-    if args.batch < 1:
-        print(f"error: --batch {args.batch} must be 1 or more", file=sys.stderr)
-        return 2
+    if ctx > config.context_length:
+        args.command_parser.error(f"--ctx {ctx} is longer than {args.model}'s context length; pass --ctx "
+                                  f"{config.context_length} or less")
     report = {"model": args.model, **flops_report(config, args.batch, ctx)}
     print(json.dumps(report, indent=2) if args.json else format_flops_report(report))
     return 0
@@ -75,21 +95,15 @@ def _bench_serve(args: argparse.Namespace) -> int:
     device = args.device or default_device_type()
     model, requests, max_batch, block_size = by_scale(current_scale(device), smoke=("gpt-smoke", 16, 4, 8),
                                                       cpu=("gpt-cpu", 64, 16, 8), gpu=("gpt2-small", 256, 64, 16))
-    given = {"requests": args.requests, "max-batch": args.max_batch, "block-size": args.block_size}
-    defaults = {"requests": requests, "max-batch": max_batch, "block-size": block_size}
-    sizes = {name: defaults[name] if value is None else value for name, value in given.items()}
-    sizes["num-blocks"], sizes["repeats"] = args.num_blocks, args.repeats
-    bad = [f"--{name} {value}" for name, value in sizes.items() if value is not None and value < 1]
-    if bad:
-        print(f"error: {', '.join(bad)}: must be 1 or more", file=sys.stderr)
-        return 2
+    requests = requests if args.requests is None else args.requests
+    max_batch = max_batch if args.max_batch is None else args.max_batch
+    block_size = block_size if args.block_size is None else args.block_size
     try:
-        report, _ = bench_serve(args.model or model, sizes["requests"], sizes["max-batch"], sizes["block-size"],
+        report, _ = bench_serve(args.model or model, requests, max_batch, block_size,
                                 seed=args.seed, device=device, num_blocks=args.num_blocks, repeats=args.repeats,
                                 progress=lambda name: print(f"serving with {name} ...", file=sys.stderr, flush=True))
     except ValueError as err:  # e.g. --num-blocks too small for a request: say so, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        args.command_parser.error(str(err))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -107,12 +121,14 @@ def _bench_train(args: argparse.Namespace) -> int:
     ctx = min(ctx, PRESETS[model].context_length) if args.ctx is None else args.ctx
     batch = batch if args.batch is None else args.batch
     steps = steps if args.steps is None else args.steps
+    if ctx > PRESETS[model].context_length:
+        args.command_parser.error(f"--ctx {ctx} is longer than {model}'s context length; pass --ctx "
+                                  f"{PRESETS[model].context_length} or less")
     try:
         report = bench_train(model, batch, ctx, steps, args.warmup, args.accumulation, device, args.until,
                              progress=True)
     except ValueError as err:  # sizes that cannot run: say which flag to change, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        args.command_parser.error(str(err))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -158,29 +174,30 @@ def main(argv: list[str] | None = None) -> int:
     from .attention_bench import DTYPES, MODES
 
     bench = commands.add_parser("bench-attention", help="time every attention implementation on the same weights")
-    bench.add_argument("--batch", type=int, help="default: by scale (smoke 2, cpu 2, gpu 8)")
-    bench.add_argument("--seq", type=int, help="default: by scale (smoke 128, cpu/gpu 1024)")
-    bench.add_argument("--d-model", type=int, help="default: by scale (smoke 128, cpu/gpu 768)")
-    bench.add_argument("--heads", type=int, help="default: by scale (smoke 4, cpu/gpu 12)")
+    bench.add_argument("--batch", type=positive_int, help="default: by scale (smoke 2, cpu 2, gpu 8)")
+    bench.add_argument("--seq", type=positive_int, help="default: by scale (smoke 128, cpu/gpu 1024)")
+    bench.add_argument("--d-model", type=positive_int, help="default: by scale (smoke 128, cpu/gpu 768)")
+    bench.add_argument("--heads", type=positive_int, help="default: by scale (smoke 4, cpu/gpu 12)")
     bench.add_argument("--dtype", choices=list(DTYPES), default="float32")
     bench.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: the best available")
     bench.add_argument("--mode", choices=MODES, default="fwd",
                        help="fwd, fwdbwd (forward + backward), compiled (forward of torch.compile(module))")
     bench.add_argument("--only", nargs="+", choices=list(IMPLEMENTATIONS), metavar="NAME",
                        help=f"implementations to run (default: all of {', '.join(IMPLEMENTATIONS)})")
-    bench.add_argument("--min-run-time", type=float, default=0.5, help="seconds of timed runs per implementation")
+    bench.add_argument("--min-run-time", type=positive_float, default=0.5,
+                       help="seconds of timed runs per implementation")
     bench.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     bench.add_argument("--json", action="store_true", help="a JSON list instead of a table")
-    bench.set_defaults(func=_bench_attention)
+    bench.set_defaults(func=_bench_attention, command_parser=bench)
 
     from .config import PRESETS
 
     flops = commands.add_parser("flops", help="forward FLOPs of a preset by hand, by fvcore and by FlopCounterMode")
     flops.add_argument("--model", choices=list(PRESETS), default="gpt2-small", help="preset (default: gpt2-small)")
-    flops.add_argument("--batch", type=int, default=2, help="sequences per batch (default: 2)")
-    flops.add_argument("--ctx", type=int, help="tokens per sequence (default: the preset's context length)")
+    flops.add_argument("--batch", type=positive_int, default=2, help="sequences per batch (default: 2)")
+    flops.add_argument("--ctx", type=positive_int, help="tokens per sequence (default: the preset's context length)")
     flops.add_argument("--json", action="store_true", help="one JSON object instead of text")
-    flops.set_defaults(func=_flops)
+    flops.set_defaults(func=_flops, command_parser=flops)
 
     from .loading import STRATEGIES
 
@@ -190,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--only", nargs="+", choices=list(STRATEGIES), metavar="NAME",
                       help=f"strategies to run (default: all of {', '.join(STRATEGIES)})")
     load.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: the best available")
-    load.add_argument("--repeats", type=int, default=1, help="fresh-process runs per strategy; medians are reported")
+    load.add_argument("--repeats", type=positive_int, default=1,
+                      help="fresh-process runs per strategy; medians are reported")
     load.add_argument("--cold", action="store_true", help="drop the checkpoint from the page cache before each run")
     load.add_argument("--json", action="store_true", help="a JSON list instead of a table")
     load.set_defaults(func=_bench_load)
@@ -198,39 +216,43 @@ def main(argv: list[str] | None = None) -> int:
     serve = commands.add_parser("bench-serve", help="continuous vs static batching: throughput, latency, KV memory")
     serve.add_argument("--model", choices=list(PRESETS),
                        help="preset, random weights (default: by scale: gpt-smoke, gpt-cpu, gpt2-small)")
-    serve.add_argument("--requests", type=int, help="requests in the mixed workload (default: by scale 16, 64, 256)")
-    serve.add_argument("--max-batch", type=int, help="sequences per batch (default: by scale 4, 16, 64)")
-    serve.add_argument("--block-size", type=int, help="tokens per KV block of the paged cache (default: 8, 8, 16)")
-    serve.add_argument("--num-blocks", type=int,
+    serve.add_argument("--requests", type=positive_int,
+                       help="requests in the mixed workload (default: by scale 16, 64, 256)")
+    serve.add_argument("--max-batch", type=positive_int, help="sequences per batch (default: by scale 4, 16, 64)")
+    serve.add_argument("--block-size", type=positive_int,
+                       help="tokens per KV block of the paged cache (default: 8, 8, 16)")
+    serve.add_argument("--num-blocks", type=positive_int,
                        help="blocks of the paged cache (default: the contiguous cache's memory, max-batch rows)")
-    serve.add_argument("--repeats", type=int, default=2,
+    serve.add_argument("--repeats", type=positive_int, default=2,
                        help="runs per engine, in turn; the fastest of each is reported (default: 2)")
     serve.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload (default: 0)")
     serve.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: the best available")
     serve.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    serve.set_defaults(func=_bench_serve)
+    serve.set_defaults(func=_bench_serve, command_parser=serve)
 
     from .train_bench import LADDER
 
     train = commands.add_parser("bench-train", help="the training-speed ladder (tokens/s, MFU) and transformers' GPT-2")
     train.add_argument("--model", choices=list(PRESETS),
                        help="preset, random weights (default: by scale: gpt-smoke, gpt-cpu, gpt2-small)")
-    train.add_argument("--batch", type=int, help="sequences per micro-batch (default: by scale 2, 4, 8)")
-    train.add_argument("--ctx", type=int, help="tokens per sequence (default: by scale 64, 128, 1024)")
-    train.add_argument("--steps", type=int, help="timed optimizer steps per rung; medians (default: by scale 2, 4, 10)")
-    train.add_argument("--warmup", type=int, default=2, help="untimed steps first, compilation included (default: 2)")
-    train.add_argument("--accumulation", type=int, default=4,
+    train.add_argument("--batch", type=positive_int, help="sequences per micro-batch (default: by scale 2, 4, 8)")
+    train.add_argument("--ctx", type=positive_int, help="tokens per sequence (default: by scale 64, 128, 1024)")
+    train.add_argument("--steps", type=positive_int,
+                       help="timed optimizer steps per rung; medians (default: by scale 2, 4, 10)")
+    train.add_argument("--warmup", type=positive_int, default=2,
+                       help="untimed steps first, compilation included (default: 2)")
+    train.add_argument("--accumulation", type=positive_int, default=4,
                        help="micro-batches per optimizer step on the accumulation rung (default: 4)")
     train.add_argument("--until", choices=LADDER, help="stop after this rung (e.g. accumulation: no torch.compile)")
     train.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: the best available")
     train.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    train.set_defaults(func=_bench_train)
+    train.set_defaults(func=_bench_train, command_parser=train)
 
     run = commands.add_parser("run-notebooks", help="execute notebooks headless into a report folder")
     run.add_argument("notebooks", nargs="*", help="notebooks to run (default: every chapter's)")
     run.add_argument("--out", default="reports", help="folder for the executed copies (default: reports)")
     run.add_argument("--smoke", action="store_true", help="smoke scale (same as COURSE_SMOKE=1)")
-    run.add_argument("--timeout", type=int, default=900, help="seconds allowed per cell")
+    run.add_argument("--timeout", type=positive_int, default=900, help="seconds allowed per cell")
     run.set_defaults(func=_run_notebooks)
 
     sync = commands.add_parser("sync-bootstrap", help="write the bootstrap cell into every notebook")

@@ -33,8 +33,10 @@ from .config import GPTConfig
 from .model import GPT, swiglu_hidden_dim
 from .timing import median_seconds
 
-with warnings.catch_warnings():  # fvcore scripts its focal loss when imported, which recent torch deprecates
-    warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
+# fvcore scripts its focal loss when imported, which torch deprecates (a DeprecationWarning in 2.13, a FutureWarning,
+# which Python shows to every user, from 2.14): whatever the category, it is fvcore's to fix, not the learner's.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated")
     from fvcore.nn import FlopCountAnalysis
     from fvcore.nn.jit_handles import get_shape
 

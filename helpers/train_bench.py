@@ -512,13 +512,11 @@ def check_bench_args(config: GPTConfig, batch: int, ctx: int, steps: int, warmup
                      model_name: str | None = None) -> None:
     """Refuse sizes that cannot run, saying what to pass instead."""
     if not 1 <= ctx <= config.context_length:
-        raise ValueError(f"--ctx {ctx} is outside 1..{config.context_length} ({model_name or 'the model'}'s context "
-                         f"length); "
-                         f"pass --ctx {config.context_length} or less")
-    for flag, value, least in (("--batch", batch, 1), ("--steps", steps, 1), ("--warmup", warmup, 1),
-                               ("--accumulation", accumulation, 1)):
-        if value < least:
-            raise ValueError(f"{flag} {value} must be {least} or more")
+        raise ValueError(f"ctx={ctx} is outside 1..{config.context_length} ({model_name or 'the model'}'s context "
+                         f"length); pass ctx={config.context_length} or less")
+    for name, value in (("batch", batch), ("steps", steps), ("warmup", warmup), ("accumulation", accumulation)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be 1 or more")
 
 
 def bench_train(model: str, batch: int, ctx: int, steps: int = 5, warmup: int = 2, accumulation: int = 4,

@@ -29,6 +29,7 @@ from .model import GPT
 HF_PREFIX = "transformer."
 HF_BUFFERS = ("attn.bias", "attn.masked_bias")  # causal-mask buffers of old files: recomputed, not loaded
 GPT2_REPOSITORY = "openai-community/gpt2"
+EXPORTED_CONFIG = "helpers.config_json"  # safetensors metadata key: the config.json written with these weights
 
 _TOP = {"tok_emb.weight": "wte.weight", "pos_emb.weight": "wpe.weight", "ln_f.weight": "ln_f.weight",
         "ln_f.bias": "ln_f.bias"}
@@ -197,6 +198,12 @@ def load_hf_gpt2(path: str | os.PathLike, preset: str | GPTConfig | None = None,
     """
     file, hf_config = _locate(path)
     with safe_open(file, framework="pt", device="cpu") as f:
+        exported = json.loads((f.metadata() or {}).get(EXPORTED_CONFIG, "{}"))
+        differ = sorted(k for k, v in exported.items() if hf_config is not None and hf_config.get(k) != v)
+        if differ:
+            raise WeightsError(f"{file.parent / 'config.json'} is not the config these weights were exported with "
+                               f"({', '.join(differ)} differ): an export into this folder was interrupted or the "
+                               "files come from different models; export the model again")
         stored = {_strip(k): k for k in f.keys()}
         shapes = {name: tuple(f.get_slice(key).get_shape()) for name, key in stored.items()}
         if n_heads is None and preset is not None:
@@ -239,13 +246,20 @@ def hf_config_dict(config: GPTConfig) -> dict:
 
 
 def save_hf_gpt2(model: GPT, directory: str | os.PathLike) -> Path:
-    """Write `model.safetensors` and `config.json` that `GPT2LMHeadModel.from_pretrained(directory)` loads."""
+    """Write `model.safetensors` and `config.json` that `GPT2LMHeadModel.from_pretrained(directory)` loads.
+
+    Each file is replaced atomically, but not the pair: the weights carry a copy of their config.json in the file's
+    metadata, so an export interrupted between the two (new weights, the previous config.json) is refused on load
+    instead of running the new weights with, say, the old number of heads.
+    """
     directory = Path(directory)
     tensors = hf_state_dict(model)
+    config = hf_config_dict(model.config)
     with atomic_path(directory / "model.safetensors") as tmp:
-        save_file({k: t.cpu() for k, t in tensors.items()}, tmp, metadata={"format": "pt"})
+        save_file({k: t.cpu() for k, t in tensors.items()}, tmp,
+                  metadata={"format": "pt", EXPORTED_CONFIG: json.dumps(config, sort_keys=True)})
     with atomic_path(directory / "config.json") as tmp:
-        tmp.write_text(json.dumps(hf_config_dict(model.config), indent=2) + "\n")
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
     return directory
 
 

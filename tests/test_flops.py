@@ -238,14 +238,9 @@ def test_cli_json_reports_the_three_counters():
     assert report["training_step"] == 3 * report["analytic"] and report["parameters"] == 124_439_808
 
 
-def test_cli_text_and_one_line_errors(capsys):
+def test_cli_text(capsys):
     assert main(["flops", "--model", "gpt-smoke", "--batch", "1"]) == 0
     assert "fvcore" in capsys.readouterr().out
-    assert main(["flops", "--model", "gpt2-small", "--ctx", "4096"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "pass --ctx 1024 or less" in err
-    assert main(["flops", "--model", "gpt-smoke", "--batch", "0"]) == 2
-    assert "--batch 0 must be 1 or more" in capsys.readouterr().err
 
 
 def test_gpu_benchmark_script_runs_in_smoke_mode(tmp_path):

@@ -1,5 +1,6 @@
 """GPT-2 in the Hugging Face layout loads into helpers.GPT with transformers' logits, and exports back."""
 
+import dataclasses
 import json
 
 import pytest
@@ -98,6 +99,30 @@ def test_export_loads_into_transformers_with_the_same_logits(tmp_path):
     torch.testing.assert_close(theirs(idx).logits.detach(), logits_of(ours, idx), rtol=1e-5, atol=1e-5)
     again = load_hf_gpt2(tmp_path)  # and back: the same tensors
     assert all(torch.equal(again.state_dict()[k], t) for k, t in ours.state_dict().items())
+
+
+def test_an_export_interrupted_between_weights_and_config_is_refused(tmp_path, monkeypatch):
+    """New weights beside the previous export's config.json (another head count): the same tensor shapes, so only the
+    config tells them apart, and running them with the old config would give wrong logits without an error."""
+    config = GPTConfig(vocab_size=97, context_length=32, d_model=48, n_heads=4, n_layers=2, dropout=0.0)
+    save_hf_gpt2(GPT(config), tmp_path)
+    real_dumps = json.dumps
+
+    def crash_on_config_json(obj, *args, **kwargs):
+        if kwargs.get("indent"):  # the config.json write, after the weights are in place
+            raise KeyboardInterrupt
+        return real_dumps(obj, *args, **kwargs)
+
+    monkeypatch.setattr(json, "dumps", crash_on_config_json)
+    with pytest.raises(KeyboardInterrupt):
+        save_hf_gpt2(GPT(dataclasses.replace(config, n_heads=2)), tmp_path)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "config.json").read_text())["n_head"] == 4  # the old one
+    with pytest.raises(WeightsError, match="not the config these weights were exported with \\(n_head differ\\)"):
+        load_hf_gpt2(tmp_path)
+    extra = json.loads((tmp_path / "config.json").read_text()) | {"n_head": 2, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(extra))  # keys we did not write may be added
+    assert load_hf_gpt2(tmp_path).config.n_heads == 2
 
 
 def test_untied_model_round_trips(tmp_path):

@@ -1,0 +1,61 @@
+"""`python -m helpers`: every argument is checked by the parser, before any work, with a one-line error and exit 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers.__main__ import main
+
+BAD_ARGUMENTS = [
+    (["bench-attention", "--seq", "0"], "argument --seq: invalid integer >= 1 value: '0'"),
+    (["bench-attention", "--batch", "0"], "argument --batch: invalid integer >= 1 value: '0'"),
+    (["bench-attention", "--heads", "0"], "argument --heads: invalid integer >= 1 value: '0'"),
+    (["bench-attention", "--d-model", "0"], "argument --d-model: invalid integer >= 1 value: '0'"),
+    (["bench-attention", "--seq", "-5"], "argument --seq: invalid integer >= 1 value: '-5'"),
+    (["bench-attention", "--heads", "5", "--d-model", "64"], "--heads 5 does not divide --d-model 64"),
+    (["bench-attention", "--min-run-time", "0"], "argument --min-run-time: invalid number > 0 value: '0'"),
+    (["bench-attention", "--min-run-time", "nan"], "argument --min-run-time: invalid number > 0 value: 'nan'"),
+    (["flops", "--batch", "0"], "argument --batch: invalid integer >= 1 value: '0'"),
+    (["flops", "--model", "gpt2-small", "--ctx", "4096"], "pass --ctx 1024 or less"),
+    (["bench-load", "--repeats", "0"], "argument --repeats: invalid integer >= 1 value: '0'"),
+    (["bench-serve", "--max-batch", "0"], "argument --max-batch: invalid integer >= 1 value: '0'"),
+    (["bench-serve", "--num-blocks", "-1"], "argument --num-blocks: invalid integer >= 1 value: '-1'"),
+    (["bench-serve", "--repeats", "0"], "argument --repeats: invalid integer >= 1 value: '0'"),
+    (["bench-train", "--model", "gpt-smoke", "--ctx", "65"], "pass --ctx 64 or less"),
+    (["bench-train", "--ctx", "0"], "argument --ctx: invalid integer >= 1 value: '0'"),
+    (["bench-train", "--batch", "0"], "argument --batch: invalid integer >= 1 value: '0'"),
+    (["bench-train", "--steps", "0"], "argument --steps: invalid integer >= 1 value: '0'"),
+    (["bench-train", "--warmup", "0"], "argument --warmup: invalid integer >= 1 value: '0'"),
+    (["bench-train", "--accumulation", "x"], "argument --accumulation: invalid integer >= 1 value: 'x'"),
+    (["run-notebooks", "--timeout", "0"], "argument --timeout: invalid integer >= 1 value: '0'"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+def test_bad_arguments_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--device", "cpu"] if argv[0].startswith("bench-") else argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ")
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"python -m helpers {argv[0]}: error: ") and message in last, last
+    assert "Traceback" not in err
+
+
+def test_a_usage_error_exits_2_without_a_traceback_from_the_shell():
+    done = subprocess.run([sys.executable, "-m", "helpers", "bench-load", "--repeats", "0"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith("argument --repeats: invalid integer >= 1 value: '0'")
+
+
+@pytest.mark.parametrize("argv", [["env"], ["flops", "--model", "gpt-smoke", "--batch", "1", "--ctx", "8"],
+                                  ["bench-load", "--help"]])
+def test_commands_print_no_warnings_of_the_libraries_they_use(argv):
+    """What a user sees, with Python's default warning filters (torch 2.14 turned a deprecation of fvcore's into a
+    FutureWarning, which is shown)."""
+    done = subprocess.run([sys.executable, "-m", "helpers", *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Warning" not in done.stderr, done.stderr
