@@ -31,6 +31,7 @@ from helpers.data import NextTokenDataset
 from helpers.distributed import (
     CommLog,
     add_common_args,
+    add_dtype_arg,
     bytes_written,
     config_from_args,
     counting_allreduce_hook,
@@ -106,6 +107,7 @@ def train_reference(base: GPT, steps: list[list], device: torch.device, optimize
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
+    add_dtype_arg(parser)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
     parser.add_argument("--accum", type=int, default=2, help="micro-batches per step in the accumulation runs")
@@ -117,7 +119,8 @@ def main() -> None:
     rank, world, device = runtime.rank, runtime.world_size, runtime.device
     config = config_from_args(args)
     torch.manual_seed(args.seed)
-    base = GPT(config)  # the same seed on every rank; DDP also broadcasts rank 0's weights at construction
+    # the same seed on every rank; DDP also broadcasts rank 0's weights at construction
+    base = GPT(config).to(getattr(torch, args.dtype))
     dataset = NextTokenDataset(token_ids(config.vocab_size), config.context_length)
     n_micro = args.steps * args.accum
     all_batches = [rank_batches(dataset, world, r, args.batch, args.seed, n_micro) for r in range(world)]
@@ -134,7 +137,8 @@ def main() -> None:
     }
     trained = {name: train_ddp(base, runtime=runtime, bucket_mb=args.bucket_mb, **run) for name, run in runs.items()}
 
-    results = run_info(runtime, config, batch_per_rank=args.batch, steps=args.steps, accum=args.accum,
+    results = run_info(runtime, config, dtype=args.dtype, batch_per_rank=args.batch, steps=args.steps,
+                       accum=args.accum,
                        bucket_mb=args.bucket_mb, parameters=base.num_parameters(), gradient_bytes=grad_bytes,
                        ring_bytes_per_rank=ring_all_reduce_bytes(grad_bytes, world))
     # Every rank's byte counts, so the notebook can show that each rank sends the same amount.

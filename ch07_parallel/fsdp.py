@@ -34,6 +34,7 @@ from helpers.config import GPTConfig
 from helpers.data import NextTokenDataset
 from helpers.distributed import (
     add_common_args,
+    add_dtype_arg,
     bytes_written,
     config_from_args,
     lm_loss,
@@ -58,9 +59,9 @@ def local_bytes(t: torch.Tensor | None) -> int:
     return tensor_bytes(t.to_local() if isinstance(t, DTensor) else t)
 
 
-def build(strategy: str, config, seed: int, runtime) -> torch.nn.Module:
+def build(strategy: str, config, seed: int, runtime, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = GPT(config)
+    model = GPT(config).to(dtype)
     device = runtime.device
     if strategy == "ddp":
         return DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
@@ -120,6 +121,7 @@ def analytic_bytes(strategy: str, base: GPT, world: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
+    add_dtype_arg(parser)
     parser.add_argument("--strategy", choices=["fsdp", "ddp"], default="fsdp")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--steps", type=int, default=3)
@@ -137,7 +139,8 @@ def main() -> None:
     warm_up(args.strategy, runtime)
     gc.collect()
     rss_before = proc_status_bytes("VmRSS")
-    model = build(args.strategy, config, args.seed, runtime)
+    dtype = getattr(torch, args.dtype)
+    model = build(args.strategy, config, args.seed, runtime, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     gc.collect()
     model_rss = None if rss_before is None else proc_status_bytes("VmRSS") - rss_before
@@ -167,8 +170,9 @@ def main() -> None:
     state["optimizer"] = sum(local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
 
     torch.manual_seed(args.seed)
-    base = GPT(config)  # the initial weights again (built after the measurement, so they do not count in it)
-    results = run_info(runtime, config, strategy=args.strategy, batch_per_rank=args.batch, steps=args.steps,
+    base = GPT(config).to(dtype)  # the initial weights again (built after the measurement: not counted in it)
+    results = run_info(runtime, config, dtype=args.dtype, strategy=args.strategy, batch_per_rank=args.batch,
+                       steps=args.steps,
                        parameters=base.num_parameters(),
                        parameter_bytes=sum(tensor_bytes(p) for p in base.parameters()),
                        analytic_bytes_per_step=analytic_bytes(args.strategy, base, world))

@@ -183,7 +183,9 @@ def launch(script: str | Path, args: Sequence[object] = (), nproc: int = 2, time
             output, _ = proc.communicate(timeout=10)  # what the run printed before it was stopped
         except subprocess.TimeoutExpired:
             output = "(no output: a process that outlived the run still holds the pipe)"
-        starting = (f" {workers - asked} of {workers} worker processes had not reached setup() yet (still starting: "
+        starting = (" No worker process had started yet (torchrun itself was still starting: imports take long on "
+                    "a busy machine)." if workers == 0 else
+                    f" {workers - asked} of {workers} worker processes had not reached setup() yet (still starting: "
                     "imports take long on a busy machine)." if asked < workers else "")
         raise DistributedRunError(
             f"{script.name} on {nproc} processes did not finish within {timeout:.0f} s and was killed.{starting} A "
@@ -420,6 +422,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                         help="auto: one GPU per process when there are enough, else CPU with gloo")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=120, help="seconds a collective may wait before it fails")
+
+
+def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    """--dtype of the weights, for the scripts that compare optimizer steps with one process."""
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                        help="float64 makes the comparison with one process exact: Adam divides by sqrt(v), so in "
+                             "float32 a rounding difference in a near-zero gradient can change an update completely")
 
 
 def config_from_args(args: argparse.Namespace) -> GPTConfig:

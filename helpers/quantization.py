@@ -196,6 +196,7 @@ def torchao_quantize(model: nn.Module, mode: str = "weight_only") -> nn.Module:
     if mode not in TORCHAO_METHODS:
         raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(TORCHAO_METHODS)}")
     torchao = import_torchao()
-    config = getattr(torchao.quantization, TORCHAO_METHODS[mode])()
+    # version 2: the Int8Tensor weights (torchao 0.15+; the default from 0.18), the same on every torchao release
+    config = getattr(torchao.quantization, TORCHAO_METHODS[mode])(version=2)
     torchao.quantization.quantize_(model, config)
     return model

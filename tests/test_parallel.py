@@ -23,7 +23,11 @@ from helpers.tensor_parallel import TensorParallelAttention, shard_rows
 
 CH07 = Path(__file__).resolve().parents[1] / "ch07_parallel"
 TINY = ["--layers", "2", "--d-model", "64", "--heads", "4", "--vocab", "256", "--context", "32"]
-TOL = 1e-5  # fp32: every parallel variant equals one process within this
+TOL = 1e-5  # float32 logits and gradients: every parallel variant equals one process within this
+# After AdamW steps only float64 is exact: Adam divides by sqrt(v), so a float32 rounding difference in a near-zero
+# gradient (a sum computed in another order) can change that weight's update completely. The optimizer-step
+# comparisons (DDP, FSDP) therefore run in float64, where summation order costs ~1e-16.
+TOL64 = 1e-10
 WORLD = 2
 
 
@@ -37,8 +41,10 @@ def model_of(result: dict) -> GPT:
     return GPT(GPTConfig(**result["config"]))
 
 
-def param_bytes(model: GPT) -> int:
-    return sum(p.numel() * 4 for p in model.parameters())
+def param_bytes(result: dict) -> int:
+    """Bytes of the parameters of the run's model, in the run's dtype."""
+    element = torch.empty((), dtype=getattr(torch, result.get("dtype", "float32"))).element_size()
+    return sum(p.numel() * element for p in model_of(result).parameters())
 
 
 def close(measured: int, expected: float, rel: float = 0.02) -> bool:
@@ -51,18 +57,18 @@ def close(measured: int, expected: float, rel: float = 0.02) -> bool:
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
-    return run_script(tmp_path_factory, "ddp", "--steps", "3", "--accum", "2")
+    return run_script(tmp_path_factory, "ddp", "--steps", "3", "--accum", "2", "--dtype", "float64")
 
 
 @pytest.mark.parametrize("variant", ["ddp", "ddp_ring", "accum_no_sync", "accum_sync_every_micro", "ddp_adamw"])
 def test_ddp_equals_single_process_on_concatenated_batches(ddp, variant):
     assert ddp["world_size"] == WORLD and ddp["backend"] == "gloo"
     assert ddp[variant]["max_param_change"] > 100 * TOL  # training moved the weights, so equality means something
-    assert ddp[variant]["max_param_diff"] < TOL
+    assert ddp[variant]["max_param_diff"] < TOL64
 
 
 def test_ddp_hands_every_gradient_byte_to_all_reduce_once_per_step(ddp):
-    grad_bytes = param_bytes(model_of(ddp))
+    grad_bytes = param_bytes(ddp)
     for variant in ("ddp", "ddp_ring", "accum_no_sync", "ddp_adamw"):
         for rank in ddp[variant]["per_rank"]:
             assert rank["bytes_handed"] == [grad_bytes] * ddp["steps"]
@@ -71,7 +77,7 @@ def test_ddp_hands_every_gradient_byte_to_all_reduce_once_per_step(ddp):
 
 
 def test_ddp_sends_the_ring_all_reduce_volume(ddp):
-    ring = 2 * (WORLD - 1) / WORLD * param_bytes(model_of(ddp))
+    ring = 2 * (WORLD - 1) / WORLD * param_bytes(ddp)
     for rank in ddp["ddp_ring"]["per_rank"]:
         assert rank["ring_bytes_sent"] == [ring] * ddp["steps"]  # our send/recv ring, counted
     if ddp["ddp"]["per_rank"][0]["bytes_written"][0] is None:
@@ -162,16 +168,16 @@ def test_gpipe_timeline_runs_all_forwards_then_backwards_in_dependency_order(pp)
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
-    return run_script(tmp_path_factory, "fsdp", "--strategy", "fsdp", "--steps", "3")
+    return run_script(tmp_path_factory, "fsdp", "--strategy", "fsdp", "--steps", "3", "--dtype", "float64")
 
 
 def test_fsdp_equals_single_process_training(fsdp):
     assert fsdp["max_param_change"] > 100 * TOL
-    assert fsdp["max_param_diff"] < TOL
+    assert fsdp["max_param_diff"] < TOL64
 
 
 def test_fsdp_holds_half_the_training_state_of_ddp(fsdp):
-    full = param_bytes(model_of(fsdp))  # what every DDP rank holds, for parameters and for gradients
+    full = param_bytes(fsdp)  # what every DDP rank holds, for parameters and for gradients
     for rank in fsdp["per_rank"]:
         state = rank["state_bytes"]
         for kind, replicas in (("parameters", 1), ("gradients", 1), ("optimizer", 2)):  # AdamW: two moments
@@ -190,8 +196,8 @@ def test_launch_reports_the_failing_ranks_error(tmp_path):
 
 def test_launch_kills_a_hanging_run_and_shows_where_each_rank_waits(tmp_path):
     """A rank waits for a message its peer never sends. The stacks can only be shown once both workers are past
-    setup(), which on a loaded machine may take longer than the timeout: then the run is tried again with twice the
-    timeout (the workers write their pid file after setup)."""
+    setup(), which on a loaded machine may take longer than the timeout, and a busy machine may not run a signalled
+    worker in time: then the run is tried again with twice the timeout. Every attempt must kill every worker."""
     script = tmp_path / "hangs.py"
     script.write_text("import os, pathlib, time\nimport torch, torch.distributed as dist\n"
                       "from helpers.distributed import setup\n"
@@ -199,6 +205,7 @@ def test_launch_kills_a_hanging_run_and_shows_where_each_rank_waits(tmp_path):
                       f"pathlib.Path({str(tmp_path)!r}, 'pid' + os.environ['RANK']).write_text(str(os.getpid()))\n"
                       "if runtime.rank == 0:\n    dist.recv(torch.zeros(1), 1)\n"
                       "else:\n    time.sleep(600)\n")
+    messages = []
     for timeout in (20, 40, 80):
         for old in tmp_path.glob("pid*"):
             old.unlink()
@@ -206,15 +213,13 @@ def test_launch_kills_a_hanging_run_and_shows_where_each_rank_waits(tmp_path):
         with pytest.raises(DistributedRunError, match="did not finish within") as failure:
             launch(script, nproc=WORLD, timeout=timeout)
         assert time.perf_counter() - start < timeout + 60  # killed soon after the timeout
-        pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
-        for pid in pids:  # every worker that started is gone
+        for pid in (int(p.read_text()) for p in tmp_path.glob("pid*")):  # every worker that started is gone
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
-        if len(pids) == WORLD:
-            break
-    else:
-        pytest.fail("the workers did not get past setup() within 80 s: the machine is too loaded for this test")
-    assert " in recv" in str(failure.value) and " in <module>" in str(failure.value)  # the ranks' stacks
+        messages.append(str(failure.value))
+        if " in recv" in messages[-1] and " in <module>" in messages[-1]:  # where each rank waits
+            return
+    pytest.fail("no attempt showed both ranks' stacks; the last message:\n" + messages[-1][:3000])
 
 
 def test_a_run_killed_before_its_workers_reach_setup_says_so(tmp_path):

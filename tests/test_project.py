@@ -44,3 +44,29 @@ def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in readme and re.search(r"^\s*make test\b", ci, re.M)
+
+
+def load_matrix():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("matrix", ROOT / ".ci" / "matrix.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ci_runs_the_unit_tests_on_the_oldest_and_the_newest_torch():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^python3 \.ci/matrix\.py lowest$", ci, re.M)
+    assert re.search(r"^python3 \.ci/matrix\.py newest$", ci, re.M)
+
+
+def test_the_lowest_environment_pins_every_declared_lower_bound():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] + project["optional-dependencies"]["dev"]
+    pins = load_matrix().lower_bounds(requirements)
+    for requirement in requirements:
+        name, bound = re.match(r"([A-Za-z0-9._-]+)>=([^;,\s]+)", requirement).groups()
+        marker = requirement.partition(";")[2].strip()
+        assert f"{name}=={bound}" + (f"; {marker}" if marker else "") in pins, requirement
+    assert load_matrix().lower_bounds(["torch>=2.8", "numpy", "x>=1,<2"]) == ["torch==2.8"]  # only plain bounds
