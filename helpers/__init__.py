@@ -5,6 +5,7 @@ from .data import load_corpus, load_token_ids, make_dataloader, train_val_split
 from .device import autocast_dtype, detect_capabilities, needs_grad_scaler
 from .env import environment_line, environment_report
 from .model import GPT
+from .optional import quiet_expected_library_logs
 from .scale import by_scale, current_scale
 from .tokenizer import get_tokenizer
 
@@ -25,3 +26,5 @@ __all__ = [
     "needs_grad_scaler",
     "train_val_split",
 ]
+
+quiet_expected_library_logs()

@@ -124,8 +124,8 @@ def generate_with_cache(
                          f"keep its last {ctx - max_new_tokens + 1} tokens to generate {max_new_tokens})")
     if cached > ctx:
         raise ValueError(
-            f"a {idx.size(1)}-token prompt plus {max_new_tokens} new tokens needs {cached} cached positions (the "
-            f"last new token is never fed back) but the context length is {ctx}. A KV cache cannot slide like "
+            f"a prompt of {idx.size(1)} tokens plus {max_new_tokens} new tokens needs {cached} cached positions "
+            f"(the last new token is never fed back) but the context length is {ctx}. A KV cache cannot slide like "
             "GPT.generate's window: the positions of every kept token would change, so all their keys and values "
             f"would have to be recomputed. Set max_new_tokens to {ctx - idx.size(1) + 1} or less, shorten the "
             "prompt, or use GPT.generate (no cache, sliding window)"

@@ -1,10 +1,14 @@
-"""Optional packages (GPU extras): report their versions, and fail with an install hint when needed."""
+"""Optional packages (GPU extras): report their versions, fail with an install hint when needed, and keep the
+log lines they are known to print for no reason off the learner's screen."""
 
 from __future__ import annotations
 
 import importlib
+import logging
 from importlib import metadata
 from types import ModuleType
+
+import torch
 
 # import name -> (distribution name, how to get it and what the course does without it)
 OPTIONAL_PACKAGES = {
@@ -40,3 +44,31 @@ def require(module: str, purpose: str) -> ModuleType:
     except ImportError as err:
         dist, hint = OPTIONAL_PACKAGES.get(module, (module, f"`pip install {module}`"))
         raise MissingOptionalPackage(f"{purpose} needs the optional package {dist}: {hint}") from err
+
+
+class ExpectedLibraryLogs(logging.Filter):
+    """Drop the lines torchao logs on import that are expected with a CPU-only PyTorch, and nothing else.
+
+    torchao ships CUDA kernel libraries (`_C_*.so`, linked against libc10_cuda) and tries to load them on
+    import; a CPU-only PyTorch has no CUDA libraries, so each load fails with a "Failed to load" warning.
+    PyTorch also logs that torchao registers an Enum with a since-deprecated pytree call. With a CUDA build
+    of PyTorch nothing is dropped: a library that fails to load there is a real problem.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        cuda_library = message.startswith("Failed to load") and "_C" in message and ".so" in message
+        enum_note = "is an Enum subclass" in message and "register_constant" in message
+        return not (torch.version.cuda is None and (cuda_library or enum_note))
+
+
+EXPECTED_LOGS_FROM = ("torchao", "torch.utils._pytree")  # the loggers ExpectedLibraryLogs watches
+
+
+def quiet_expected_library_logs() -> None:
+    """Attach `ExpectedLibraryLogs` to the loggers it watches (once). `import helpers` does this, so torchao is quiet
+    however it is imported: by the course, or by transformers when it saves or loads a model."""
+    for name in EXPECTED_LOGS_FROM:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ExpectedLibraryLogs) for f in logger.filters):
+            logger.addFilter(ExpectedLibraryLogs())

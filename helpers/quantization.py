@@ -14,10 +14,7 @@ rounded away by another row's outlier. Two ways to compute with it:
 
 from __future__ import annotations
 
-import contextlib
 import io
-import logging
-from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -153,39 +150,10 @@ def saved_bytes(model: nn.Module) -> int:
     return buffer.getbuffer().nbytes
 
 
-class _DropExpectedTorchaoLogs(logging.Filter):
-    """Drop the lines torchao logs on import that are expected with a CPU-only PyTorch, and nothing else.
-
-    torchao ships CUDA kernel libraries (`_C_*.so`, linked against libc10_cuda) and tries to load them on
-    import; a CPU-only PyTorch has no CUDA libraries, so each load fails with a "Failed to load" warning.
-    PyTorch also logs that torchao registers an Enum with a since-deprecated pytree call. With a CUDA build
-    of PyTorch nothing is dropped: a library that fails to load there is a real problem.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        cuda_library = message.startswith("Failed to load") and "_C" in message and ".so" in message
-        enum_note = "is an Enum subclass" in message and "register_constant" in message
-        return not (torch.version.cuda is None and (cuda_library or enum_note))
-
-
-@contextlib.contextmanager
-def _filtered_logs(*logger_names: str) -> Iterator[None]:
-    log_filter = _DropExpectedTorchaoLogs()
-    loggers = [logging.getLogger(name) for name in logger_names]
-    for logger in loggers:
-        logger.addFilter(log_filter)
-    try:
-        yield
-    finally:
-        for logger in loggers:
-            logger.removeFilter(log_filter)
-
-
 def import_torchao() -> ModuleType:
-    """`import torchao` without the log lines it prints on a CPU-only PyTorch (see `_DropExpectedTorchaoLogs`)."""
-    with _filtered_logs("torchao", "torch.utils._pytree"):
-        return require("torchao", "int8 quantization with torchao")
+    """`import torchao`, or a one-line error saying how to install it (`import helpers` keeps its expected CPU-build
+    log lines quiet: see `helpers.optional.ExpectedLibraryLogs`)."""
+    return require("torchao", "int8 quantization with torchao")
 
 
 def torchao_quantize(model: nn.Module, mode: str = "weight_only") -> nn.Module:

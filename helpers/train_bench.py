@@ -42,7 +42,7 @@ from .config import PRESETS, GPTConfig
 from .device import DeviceCapabilities, autocast_dtype, detect_capabilities, needs_grad_scaler
 from .flops import PeakFlops, measure_matmul_flops, mfu, peak_flops, training_step_flops
 from .model import GPT
-from .optional import require, version_of
+from .optional import require
 from .weights import hf_config_dict, hf_state_dict
 
 VOCAB_MULTIPLE = 64  # matmul tiles and vector widths divide it: 50257 -> 50304
@@ -183,16 +183,7 @@ def padded_vocab_model(model: GPT, multiple: int) -> GPT:
 
 
 def _import_transformers() -> ModuleType:
-    """transformers with its model classes loaded. They import torchao when it is installed, which on a CPU-only
-    PyTorch logs expected lines (with local paths); `helpers.quantization` drops those, and only those."""
-    transformers = require("transformers", "the comparison with transformers' GPT-2")
-    if version_of("torchao") is None:
-        return transformers
-    from .quantization import _filtered_logs
-
-    with _filtered_logs("torchao", "torch.utils._pytree"):
-        transformers.GPT2LMHeadModel  # noqa: B018 (the lazy import happens here)
-    return transformers
+    return require("transformers", "the comparison with transformers' GPT-2")
 
 
 def transformers_peer(model: GPT, attn_implementation: str | None = None) -> nn.Module:

@@ -9,11 +9,10 @@ import torch
 from torch import nn
 
 from helpers import GPT, GPTConfig
-from helpers.optional import version_of
+from helpers.optional import ExpectedLibraryLogs, version_of
 from helpers.quantization import (
     Int8Embedding,
     Int8Linear,
-    _DropExpectedTorchaoLogs,
     dequantize_per_channel,
     import_torchao,
     quantize_linears,
@@ -175,7 +174,7 @@ def test_bad_input_is_rejected_with_a_clear_error():
 @pytest.mark.parametrize("cuda_version", [None, "12.8"])
 def test_log_filter_drops_only_the_expected_torchao_lines(monkeypatch, cuda_version):
     monkeypatch.setattr(torch.version, "cuda", cuda_version)
-    log_filter = _DropExpectedTorchaoLogs()
+    log_filter = ExpectedLibraryLogs()
 
     def kept(message):
         return log_filter.filter(logging.LogRecord("torchao", logging.WARNING, __file__, 1, message, None, None))
@@ -227,12 +226,16 @@ def test_torchao_gpt_matches_ours_and_unties_the_head():
 
 
 @needs_torchao
-def test_torchao_imports_without_the_expected_log_lines():
+@pytest.mark.parametrize("code", [
+    "from helpers.quantization import import_torchao; import_torchao()",
+    "import helpers, torchao",  # as transformers imports it when it saves or loads a model
+])
+def test_torchao_imports_without_the_expected_log_lines(code):
     import subprocess
     import sys
 
-    code = "from helpers.quantization import import_torchao; import_torchao(); print('imported')"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", code + "; print('imported')"], capture_output=True, text=True,
+                          check=True)
     assert done.stdout.strip() == "imported"
     if torch.version.cuda is None:
         assert "Failed to load" not in done.stderr and "register_constant" not in done.stderr
