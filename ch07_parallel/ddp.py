@@ -36,7 +36,6 @@ from helpers.distributed import (
     config_from_args,
     counting_allreduce_hook,
     gradient_bytes,
-    lm_loss,
     max_abs_diff,
     max_param_diff,
     rank_batches,
@@ -49,6 +48,7 @@ from helpers.distributed import (
     write_json,
 )
 from helpers.model import GPT
+from helpers.step import lm_loss
 
 OPTIMIZERS = {  # the comparisons use SGD; one run shows what AdamW does to the same rounding differences
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),

@@ -37,7 +37,6 @@ from helpers.distributed import (
     add_dtype_arg,
     bytes_written,
     config_from_args,
-    lm_loss,
     max_abs_diff,
     rank_batches,
     ring_all_reduce_bytes,
@@ -50,6 +49,7 @@ from helpers.distributed import (
 )
 from helpers.memory import peak_cuda_bytes, peak_rss_above_baseline, proc_status_bytes
 from helpers.model import GPT
+from helpers.step import lm_loss
 
 
 def local_bytes(t: torch.Tensor | None) -> int:

@@ -27,7 +27,6 @@ from helpers.distributed import (
     add_common_args,
     bytes_written,
     config_from_args,
-    lm_loss,
     max_abs_diff,
     max_over_ranks,
     ring_all_reduce_bytes,
@@ -39,19 +38,24 @@ from helpers.distributed import (
 from helpers.model import GPT
 from helpers.pipeline import (
     Event,
-    GPTStage,
     bubble_fraction,
+    full_name,
     gpipe_step,
+    is_first_stage,
+    is_last_stage,
     measured_bubble,
+    pipeline_stage,
+    stage_layers,
     sync_tied_gradients,
     tied_group,
 )
+from helpers.step import lm_loss
 
 SCHEDULES = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}
 
 
-def grad_diff(stage: GPTStage, ref_grads: dict[str, torch.Tensor]) -> float:
-    return max(max_abs_diff(p.grad, ref_grads[stage.full_name(n)]) for n, p in stage.named_parameters())
+def grad_diff(stage: GPT, ref_grads: dict[str, torch.Tensor]) -> float:
+    return max(max_abs_diff(p.grad, ref_grads[full_name(stage, n)]) for n, p in stage.named_parameters())
 
 
 def common_clock(device: torch.device) -> float:
@@ -70,26 +74,27 @@ class Pipeline:
         self.rank, self.world, self.device = runtime.rank, runtime.world_size, runtime.device
         self.group = tied_group(self.world)
 
-    def fresh_stage(self) -> GPTStage:
-        return GPTStage(self.base, self.rank, self.world).to(self.device)
+    def fresh_stage(self) -> GPT:
+        return pipeline_stage(self.base, self.rank, self.world).to(self.device)
 
-    def scratch_step(self, stage: GPTStage, m: int, t0: float | None = None, sync_tied: bool = True):
+    def scratch_step(self, stage: GPT, m: int, t0: float | None = None, sync_tied: bool = True):
         shape = (self.x.size(0) // m, self.x.size(1), self.base.config.d_model)
-        losses, events = gpipe_step(stage, self.x if stage.is_first else None, self.y if stage.is_last else None,
+        losses, events = gpipe_step(stage, self.x if is_first_stage(stage) else None,
+                                    self.y if is_last_stage(stage) else None,
                                     m, lm_loss, shape, self.rank, t0)
         if sync_tied:
             sync_tied_gradients(stage, self.group)
         return losses, events
 
-    def library_schedule(self, name: str, stage: GPTStage, m: int):
+    def library_schedule(self, name: str, stage: GPT, m: int):
         pipe_stage = PipelineStage(stage, self.rank, self.world, self.device)
         return SCHEDULES[name](pipe_stage, n_microbatches=m, loss_fn=lm_loss)  # loss_fn on every rank
 
-    def library_step(self, schedule, stage: GPTStage) -> list[float]:
+    def library_step(self, schedule, stage: GPT) -> list[float]:
         losses = []
-        if stage.is_first:
+        if is_first_stage(stage):
             schedule.step(self.x)
-        elif stage.is_last:
+        elif is_last_stage(stage):
             schedule.step(target=self.y, losses=losses)
         else:
             schedule.step()
@@ -198,7 +203,7 @@ def main() -> None:
     activation_bytes = args.batch * config.context_length * config.d_model * 4
     tied_bytes = config.vocab_size * config.d_model * 4 if config.tie_weights and runtime.world_size > 1 else 0
     results = run_info(runtime, config, batch=args.batch, micro=args.micro, layers_per_stage=[
-        len(GPTStage(base, s, runtime.world_size).layers) for s in range(runtime.world_size)],
+        len(layers) for layers in stage_layers(config.n_layers, runtime.world_size)],
         params_per_rank=params_per_rank,
         parameters=base.num_parameters(),
         # per stage boundary and step: every micro-batch's activations forward, their gradients back; and the

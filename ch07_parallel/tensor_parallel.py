@@ -29,7 +29,6 @@ from helpers.distributed import (
     add_common_args,
     bytes_written,
     config_from_args,
-    lm_loss,
     max_abs_diff,
     max_over_ranks,
     ring_all_reduce_bytes,
@@ -39,7 +38,8 @@ from helpers.distributed import (
     write_json,
 )
 from helpers.model import GPT
-from helpers.tensor_parallel import TensorParallelGPT, TPLogs, parallelize_gpt, shard_of
+from helpers.step import lm_loss
+from helpers.tensor_parallel import TPLogs, parallelize_gpt, shard_of, tensor_parallel_gpt
 
 
 def reference_pass(base: GPT, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -53,7 +53,7 @@ def reference_pass(base: GPT, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.T
 def from_scratch(base: GPT, x, y, ref_logits, ref_grads, runtime) -> dict:
     rank, world, device = runtime.rank, runtime.world_size, runtime.device
     logs = TPLogs()
-    model = TensorParallelGPT(base, rank, world, logs).to(device)
+    model = tensor_parallel_gpt(base, rank, world, logs).to(device)
     dist.barrier()
     w0 = bytes_written()
     logits = model(x)

@@ -21,6 +21,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,11 @@ from torch import nn
 
 from .optional import require, version_of
 
-# ---- kernels: q, k, v of shape (batch, heads, seq, head_dim) -> (batch, heads, seq, head_dim) ----
+# ---- kernels: q (batch, heads, seq_q, head_dim), k and v (batch, heads, seq_k, head_dim) -> like q ----
+#
+# Every kernel computes causal attention over a square score matrix (training, a whole prompt). The masked ones
+# (eager, sdpa, sdpa_mask) also take `attn_mask` (True = may attend, broadcast to (batch, heads, seq_q, seq_k))
+# with `is_causal=False`: what attention over a KV cache needs (new queries against every cached key).
 
 
 def _future_mask(seq: int, device: torch.device) -> torch.Tensor:
@@ -36,29 +41,36 @@ def _future_mask(seq: int, device: torch.device) -> torch.Tensor:
     return torch.ones(seq, seq, dtype=torch.bool, device=device).triu(diagonal=1)
 
 
-def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    attn_mask: torch.Tensor | None = None, is_causal: bool = True) -> torch.Tensor:
     """Textbook attention: materialises the (seq x seq) score matrix, so memory grows as T^2."""
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
-    scores = scores.masked_fill(_future_mask(q.size(-2), q.device), float("-inf"))
+    if is_causal:
+        scores = scores.masked_fill(_future_mask(q.size(-2), q.device), float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     return weights @ v
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                   attn_mask: torch.Tensor | None = None, is_causal: bool = True) -> torch.Tensor:
     """PyTorch's fused kernel; `is_causal=True` (no explicit mask) lets it pick FlashAttention."""
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
-def sdpa_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+def sdpa_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                          attn_mask: torch.Tensor | None = None, is_causal: bool = True) -> torch.Tensor:
     """The same causal attention given as an explicit boolean mask (True = may attend).
 
     On CUDA an explicit mask rules out SDPA's flash backend (the memory-efficient one runs instead);
     PyTorch's CPU flash kernel accepts masks. `02_efficient_mha` shows which backend ran.
     """
-    allowed = ~_future_mask(q.size(-2), q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+    if is_causal:
+        attn_mask = ~_future_mask(q.size(-2), q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
 
 
 def _causal(batch, head, q_idx, kv_idx):
@@ -190,6 +202,16 @@ class AttentionImplementation:
     description: str
     forward: Callable[[CausalSelfAttention, torch.Tensor, float], torch.Tensor]
     supports_dropout: bool = True
+    # The kernel `forward` applies to the module's own QKV projection (None for the layouts that compute their
+    # projections from the weight matrices themselves), and whether it takes an explicit mask: attention over a KV
+    # cache, where new queries see every cached key, needs one.
+    kernel: Callable[..., torch.Tensor] | None = None
+    masked: bool = False
+
+
+def _kernel_implementation(name: str, description: str, kernel: Callable[..., torch.Tensor],
+                           supports_dropout: bool = True, masked: bool = False) -> AttentionImplementation:
+    return AttentionImplementation(name, description, _kernel_forward(kernel), supports_dropout, kernel, masked)
 
 
 IMPLEMENTATIONS: dict[str, AttentionImplementation] = {
@@ -197,22 +219,22 @@ IMPLEMENTATIONS: dict[str, AttentionImplementation] = {
     for impl in (
         AttentionImplementation("wrapper", "single-head causal attentions in a loop, concatenated", _wrapper_forward),
         AttentionImplementation("stacked", "separate Q, K, V projections; heads via view/transpose", _stacked_forward),
-        AttentionImplementation("eager", "fused QKV projection (GPT-2's c_attn), explicit softmax(QK^T)V",
-                                _kernel_forward(eager_attention)),
+        _kernel_implementation("eager", "fused QKV projection (GPT-2's c_attn), explicit softmax(QK^T)V",
+                               eager_attention, masked=True),
         AttentionImplementation("einsum", "every contraction as torch.einsum", _einsum_forward),
-        AttentionImplementation("sdpa", "F.scaled_dot_product_attention(is_causal=True)",
-                                _kernel_forward(sdpa_attention)),
-        AttentionImplementation("sdpa_mask", "F.scaled_dot_product_attention with an explicit boolean mask",
-                                _kernel_forward(sdpa_masked_attention)),
+        _kernel_implementation("sdpa", "F.scaled_dot_product_attention(is_causal=True)", sdpa_attention,
+                               masked=True),
+        _kernel_implementation("sdpa_mask", "F.scaled_dot_product_attention with an explicit boolean mask",
+                               sdpa_masked_attention, masked=True),
         AttentionImplementation("nn_mha", "torch.nn.MultiheadAttention(need_weights=False)", _nn_mha_forward),
-        AttentionImplementation("flex_attention", "FlexAttention with a causal block mask (fused when compiled)",
-                                _kernel_forward(flex_attention), supports_dropout=False),
-        AttentionImplementation("flash_attention_2", "flash-attn's flash_attn_func (CUDA, fp16/bf16)",
-                                _kernel_forward(flash_attn_attention)),
-        AttentionImplementation("flash_torch", "FlashAttention from scratch in PyTorch: tiles, online softmax",
-                                _kernel_forward(flash_torch_attention), supports_dropout=False),
-        AttentionImplementation("flash_triton", "FlashAttention from scratch in Triton",
-                                _kernel_forward(flash_triton_attention), supports_dropout=False),
+        _kernel_implementation("flex_attention", "FlexAttention with a causal block mask (fused when compiled)",
+                               flex_attention, supports_dropout=False),
+        _kernel_implementation("flash_attention_2", "flash-attn's flash_attn_func (CUDA, fp16/bf16)",
+                               flash_attn_attention),
+        _kernel_implementation("flash_torch", "FlashAttention from scratch in PyTorch: tiles, online softmax",
+                               flash_torch_attention, supports_dropout=False),
+        _kernel_implementation("flash_triton", "FlashAttention from scratch in Triton", flash_triton_attention,
+                               supports_dropout=False),
     )
 }
 
@@ -231,10 +253,21 @@ def unavailable_reason(
     d_model: int | None = None,
     backward: bool = False,
     dropout: float = 0.0,
+    cached: bool = False,
+    sharded: bool = False,
 ) -> str | None:
-    """Why `name` cannot run in this setting, or None when it can."""
+    """Why `name` cannot run in this setting, or None when it can. `cached`: attention over a KV cache; `sharded`:
+    in a tensor-parallel model, whose projection layers are swapped for sharded ones."""
     impl = IMPLEMENTATIONS[check_attn_implementation(name)]
     device = torch.device(device)
+    if sharded and impl.kernel is None:
+        kernels = ", ".join(n for n, i in IMPLEMENTATIONS.items() if i.kernel is not None)
+        return (f"{name} computes its projections from the full weight matrices itself, but tensor parallelism "
+                f"swaps the model's projection layers for sharded ones: use one of {kernels}")
+    if cached and not impl.masked:
+        masked = ", ".join(n for n, i in IMPLEMENTATIONS.items() if i.masked)
+        return (f"{name} computes causal attention over a square score matrix only, and a KV cache needs new "
+                f"queries against every cached key (an explicit mask): use one of {masked}")
     if dropout > 0.0 and not impl.supports_dropout:
         return f"{name} has no attention dropout: use dropout=0.0, or 'sdpa'"
     if name == "nn_mha" and d_in is not None and d_in != d_model:
@@ -260,6 +293,22 @@ def unavailable_reason(
     return None
 
 
+class KVCacheView(Protocol):
+    """A KV cache as one forward pass sees it (`helpers.kv_cache.KVCache`, the serving engine's `PagedBatch`): where
+    the new tokens sit, and attention over what is cached. The model calls it; nothing else runs the layers."""
+
+    def positions(self, seq: int, device: torch.device) -> torch.Tensor:
+        """Positions of the `seq` new tokens of each sequence (for the position embedding)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Store the new keys and values k, v (batch, heads, new, head_dim) of `layer`; return the attention of the
+        queries q over every key the cache holds for their sequences, computed with `kernel`."""
+
+    def advance(self, seq: int) -> None:
+        """Every layer has stored the `seq` new tokens: they are part of the cache from now on."""
+
+
 class CausalSelfAttention(nn.Module):
     """GPT-2 attention: a fused QKV projection, attention over all heads, an output projection."""
 
@@ -271,8 +320,10 @@ class CausalSelfAttention(nn.Module):
         bias: bool = True,
         attn_implementation: str = "sdpa",
         d_in: int | None = None,
+        layer_idx: int = 0,
     ) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # which layer's keys and values this module reads and writes in a KV cache
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         self.d_in = d_model if d_in is None else d_in  # input width; a transformer block keeps d_model
@@ -283,12 +334,19 @@ class CausalSelfAttention(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCacheView | None = None) -> torch.Tensor:
+        """x (batch, seq, d_in) -> (batch, seq, d_model). With a `cache`, the new keys and values are stored in it and
+        the queries attend over everything it holds (`cache.attend`), through this module's kernel."""
         name = self.attn_implementation
         dropout_p = self.attn_dropout if self.training else 0.0
         backward = torch.is_grad_enabled() and (x.requires_grad or self.qkv.weight.requires_grad)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        reason = unavailable_reason(name, x.device, dtype, self.d_in, self.d_model, backward, dropout_p)
+        reason = unavailable_reason(name, x.device, dtype, self.d_in, self.d_model, backward, dropout_p,
+                                    cached=cache is not None)
         if reason is not None:
             raise RuntimeError(f"attn_implementation={name!r} cannot run here: {reason}")
-        return self.resid_dropout(IMPLEMENTATIONS[name].forward(self, x, dropout_p))
+        impl = IMPLEMENTATIONS[name]
+        if cache is None:
+            return self.resid_dropout(impl.forward(self, x, dropout_p))
+        q, k, v = (_split_heads(self, t) for t in self.qkv(x).split(self.d_model, dim=-1))
+        return self.resid_dropout(_merge_heads(self, cache.attend(self.layer_idx, q, k, v, impl.kernel)))

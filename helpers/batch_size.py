@@ -19,12 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from .config import GPTConfig
-from .device import needs_grad_scaler
 from .memory import peak_rss_above_baseline, run_in_fresh_process
 from .model import GPT
+from .step import TrainingStep
 
 
 class BatchSizeError(RuntimeError):
@@ -72,26 +71,18 @@ def largest_batch_size(fits: Callable[[int], bool], start: int = 1, limit: int =
 
 def make_training_step(model: GPT, seq: int, dtype: torch.dtype | None = None,
                        optimizer: torch.optim.Optimizer | None = None) -> Callable[[int], None]:
-    """A function running one training step (forward, backward, AdamW step) on `batch` random sequences."""
+    """A function running one training step (`helpers.step.TrainingStep`: forward, backward, AdamW) on `batch`
+    random sequences; a failed step (out of memory) leaves no gradients behind."""
     device = next(model.parameters()).device
-    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype))
+    step = TrainingStep(model, optimizer or torch.optim.AdamW(model.parameters(), lr=1e-4), autocast=dtype)
     vocab = model.config.vocab_size
 
-    def step(batch: int) -> None:
+    def run(batch: int) -> None:
         model.train()
         idx = torch.randint(vocab, (batch, seq + 1), device=device)
-        try:
-            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                logits = model(idx[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), idx[:, 1:].flatten())
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        finally:
-            optimizer.zero_grad(set_to_none=True)  # a failed step leaves no gradients behind
+        step([(idx[:, :-1], idx[:, 1:])])
 
-    return step
+    return run
 
 
 def cuda_step_fits(step: Callable[[int], None], device: torch.device | str = "cuda") -> Callable[[int], bool]:

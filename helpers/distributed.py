@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -437,11 +436,6 @@ def config_from_args(args: argparse.Namespace) -> GPTConfig:
                  "context_length": args.context, "vocab_size": args.vocab, "ffn_type": args.ffn}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     return GPTConfig.from_preset(args.preset, dropout=0.0, **overrides)
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position of the batch."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def rank_batches(dataset: Dataset, world_size: int, rank: int, batch: int, seed: int, n_batches: int) -> list:

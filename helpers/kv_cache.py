@@ -5,17 +5,16 @@ the keys and values of the earlier positions do not change (attention is causal:
 positions <= i). With a cache, a *prefill* pass computes and stores them for the prompt, then each
 *decode* step feeds only the newest token, appends its key and value, and attends over the stored ones.
 
-The cached forward reuses the GPT's own submodules (embeddings, LayerNorms, QKV and output projections,
-feed-forward, LM head), so any module swapped into the model (a quantized Linear, for instance) is used
-as is. Attention itself always runs through `F.scaled_dot_product_attention`, whatever kernel the model
-was set to: the query length (1 when decoding) differs from the key length, which the causal kernels of
-`helpers.attention` do not handle.
+The cache is an object the model's attention layers read and write: `model(idx, cache=cache)` runs the GPT's own
+forward pass on the new tokens, with the model's attention implementation (one that takes an explicit mask:
+eager, sdpa, sdpa_mask) and any module swapped into it (a quantized Linear, for instance).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 
 from .config import GPTConfig
 from .model import GPT, cached_positions, check_decoding, check_prompt, sample_next_token
@@ -30,7 +29,7 @@ class KVCache:
     """Pre-allocated keys and values for `max_len` positions, one (batch, heads, max_len, head_dim) pair per layer.
 
     Allocating once and writing in place avoids re-copying the whole cache at every step, as `torch.cat` would.
-    `length` counts the positions filled so far.
+    `length` counts the positions filled so far; the prompts of a batch have equal lengths.
     """
 
     def __init__(
@@ -58,48 +57,36 @@ class KVCache:
         """Bytes held by the cache tensors (allocated for max_len positions, filled or not)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the keys/values of the new positions of `layer`; return that layer's keys/values so far."""
-        end = self.length + k.size(2)
-        self.keys[layer][:, :, self.length : end] = k
-        self.values[layer][:, :, self.length : end] = v
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+    def positions(self, seq: int, device: torch.device) -> torch.Tensor:
+        if self.length + seq > self.max_len:
+            raise ValueError(f"the cache has room for {self.max_len} positions; {self.length} are used, {seq} more "
+                             "do not fit")
+        return torch.arange(self.length, self.length + seq, device=device)
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Write the new positions' keys and values of `layer`, then attend over positions 0 .. length + new - 1.
 
-def forward_cached(model: GPT, idx: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
-    """Run the new tokens `idx` (batch, seq) at positions cache.length, ..., appending their keys and values.
+        Query i (absolute position length + i) may see keys 0 .. length + i: every stored key when there is one new
+        token, the usual causal mask when the cache was empty (so SDPA may pick its fastest kernel), else an offset
+        mask.
+        """
+        if q.size(0) != self.batch:
+            raise ValueError(f"the cache holds {self.batch} sequences but the input has {q.size(0)}")
+        start, seq = self.length, k.size(2)
+        end = start + seq
+        self.keys[layer][:, :, start:end] = k
+        self.values[layer][:, :, start:end] = v
+        keys, values = self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        if seq == 1:
+            return kernel(q, keys, values, is_causal=False)
+        if start == 0:
+            return kernel(q, keys, values, is_causal=True)
+        allowed = torch.ones(seq, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        return kernel(q, keys, values, attn_mask=allowed, is_causal=False)
 
-    Returns the logits of the last position (batch, vocab), or of every new position (batch, seq, vocab)
-    with `all_logits` (the LM head over the whole prompt is wasted work when only the next token is needed).
-    """
-    batch, seq = idx.shape
-    start = cache.length
-    if batch != cache.batch:
-        raise ValueError(f"the cache holds {cache.batch} sequences but idx has {batch}")
-    if start + seq > cache.max_len:
-        raise ValueError(f"the cache has room for {cache.max_len} positions; {start} are used, {seq} more do not fit")
-    if model.training and model.config.dropout > 0:
-        raise ValueError("the cached forward is for inference: call model.eval() first (dropout is on)")
-    c = model.config
-    pos = torch.arange(start, start + seq, device=idx.device)
-    x = model.drop(model.tok_emb(idx) + model.pos_emb(pos))
-    # Query i (absolute position start + i) may see keys 0 .. start + i: every stored key when seq == 1, the
-    # usual causal mask when the cache was empty (is_causal lets SDPA pick its fastest kernel), else an offset mask.
-    mask, is_causal = None, seq > 1 and start == 0
-    if seq > 1 and start > 0:
-        mask = torch.ones(seq, start + seq, dtype=torch.bool, device=idx.device).tril(diagonal=start)
-    for layer, block in enumerate(model.blocks):
-        attn = block.attn
-        q, k, v = (t.view(batch, seq, c.n_heads, c.head_dim).transpose(1, 2)
-                   for t in attn.qkv(block.ln1(x)).split(c.d_model, dim=-1))
-        keys, values = cache.update(layer, k, v)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal)
-        x = x + attn.resid_dropout(attn.out_proj(y.transpose(1, 2).reshape(batch, seq, c.d_model)))
-        x = x + block.mlp(block.ln2(x))
-    cache.length += seq
-    if not all_logits:
-        x = x[:, -1]
-    return model.lm_head(model.ln_f(x))
+    def advance(self, seq: int) -> None:
+        self.length += seq
 
 
 @torch.no_grad()
@@ -135,12 +122,13 @@ def generate_with_cache(
     try:
         dtype = model.pos_emb.weight.dtype  # the activations' dtype (quantization leaves this embedding alone)
         cache = KVCache(model.config, idx.size(0), cached, dtype, idx.device)
-        logits = forward_cached(model, idx, cache)  # prefill
+        last = torch.tensor([-1], device=idx.device)
+        logits = model(idx, cache=cache, logits_at=last)[:, -1]  # prefill
         tokens = [idx]
         for step in range(max_new_tokens):
             tokens.append(sample_next_token(logits, temperature, top_k, generator))
             if step < max_new_tokens - 1:  # the last token is returned, never fed back
-                logits = forward_cached(model, tokens[-1], cache)  # decode
+                logits = model(tokens[-1], cache=cache)[:, -1]  # decode
     finally:
         model.train(was_training)
     return torch.cat(tokens, dim=1)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import CausalSelfAttention, check_attn_implementation
+from .attention import CausalSelfAttention, KVCacheView, check_attn_implementation
 from .config import GPTConfig
 
 
@@ -67,17 +67,17 @@ FEED_FORWARDS = {"gelu": FeedForward, "swiglu": SwiGLUFeedForward}  # by GPTConf
 class TransformerBlock(nn.Module):
     """Pre-LayerNorm block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, config: GPTConfig, attn_implementation: str) -> None:
+    def __init__(self, config: GPTConfig, attn_implementation: str, layer_idx: int = 0) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.attn = CausalSelfAttention(
-            config.d_model, config.n_heads, config.dropout, config.bias, attn_implementation
+            config.d_model, config.n_heads, config.dropout, config.bias, attn_implementation, layer_idx=layer_idx
         )
         self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = FEED_FORWARDS[config.ffn_type](config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, cache: KVCacheView | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache)
         return x + self.mlp(self.ln2(x))
 
 
@@ -152,7 +152,7 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(config.context_length, config.d_model)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
-            TransformerBlock(config, attn_implementation) for _ in range(config.n_layers)
+            TransformerBlock(config, attn_implementation, layer_idx=i) for i in range(config.n_layers)
         )
         self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -190,22 +190,49 @@ class GPT(nn.Module):
             n -= self.pos_emb.weight.numel() + self.tok_emb.weight.numel()
         return n
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (batch, seq) -> logits (batch, seq, vocab_size)."""
+    def forward(self, idx: torch.Tensor, cache: KVCacheView | None = None,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (batch, seq) -> logits (batch, seq, vocab_size).
+
+        cache: a KV cache (`helpers.kv_cache.KVCache`, the serving engine's paged batch): idx holds only the new
+        tokens, which attend over everything cached, and their keys and values are added to it (inference only).
+        logits_at: positions along seq whose logits are wanted (e.g. the last one when decoding): the LM head, the
+        largest matmul of a small model, then skips the others.
+        A pipeline stage (`helpers.pipeline.pipeline_stage`) has no embeddings before its first stage and no head
+        after its last: it then takes and returns activations (batch, seq, d_model).
+        """
+        if self.tok_emb is not None:
+            x = self.embed(idx, cache)
+        elif idx.dim() != 3 or idx.size(-1) != self.config.d_model:
+            raise ValueError(f"this pipeline stage takes activations (batch, seq, {self.config.d_model}), got shape "
+                             f"{tuple(idx.shape)}")
+        else:
+            x = idx
+        for block in self.blocks:
+            x = block(x, cache)
+        if cache is not None:
+            cache.advance(x.size(1))
+        if self.lm_head is None:
+            return x
+        if logits_at is not None:
+            x = x[:, logits_at]
+        return self.lm_head(self.ln_f(x))
+
+    def embed(self, idx: torch.Tensor, cache: KVCacheView | None = None) -> torch.Tensor:
+        """Token plus position embeddings of `idx` (batch, seq), at the cache's next positions when given."""
         if idx.dim() != 2:
             raise ValueError(f"expected token ids of shape (batch, seq), got shape {tuple(idx.shape)}")
         seq = idx.size(1)
-        if seq > self.config.context_length:
+        if cache is None and seq > self.config.context_length:
             raise ValueError(
                 f"input has {seq} tokens but the context length is {self.config.context_length}; "
                 "truncate the input or use a config with a longer context_length"
             )
+        if cache is not None and self.training and self.config.dropout > 0:
+            raise ValueError("a KV cache is for inference: call model.eval() first (dropout is on)")
         check_token_ids(idx, self.config.vocab_size)
-        pos = torch.arange(seq, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+        pos = torch.arange(seq, device=idx.device) if cache is None else cache.positions(seq, idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
 
     @torch.no_grad()
     def generate(

@@ -11,10 +11,11 @@ readable version of what a fused paged-attention kernel does in place.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
-import torch.nn.functional as F
+
+from .attention import sdpa_attention
 
 
 class OutOfBlocks(RuntimeError):
@@ -147,22 +148,81 @@ class PagedKVCache:
         return k.transpose(0, 1), v.transpose(0, 1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+           kernel: Callable[..., torch.Tensor] = sdpa_attention) -> torch.Tensor:
     """Causal attention of new queries over a sequence's cached keys: q (heads, n, head_dim) holds positions
     start..start+n-1, k and v (heads, start+n, head_dim) hold positions 0..start+n-1. Query i sees keys 0..start+i.
 
     The same softmax(q k^T / sqrt(head_dim)) v as any attention: where k and v came from does not enter the math.
+    `kernel` is a masked attention kernel of `helpers.attention` (the model's own, in `PagedBatch`).
     """
-    n = q.size(1)
+    q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    n = q.size(2)
     if n == 1:  # one new token (decoding) sees every cached key
-        return F.scaled_dot_product_attention(q, k, v)
+        return kernel(q, k, v, is_causal=False)[0]
     if start == 0:  # a whole prompt: the usual causal mask
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    allowed = torch.arange(k.size(1), device=q.device) <= torch.arange(start, start + n, device=q.device)[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return kernel(q, k, v, is_causal=True)[0]
+    allowed = torch.arange(k.size(2), device=q.device) <= torch.arange(start, start + n, device=q.device)[:, None]
+    return kernel(q, k, v, attn_mask=allowed, is_causal=False)[0]
 
 
-def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                  kernel: Callable[..., torch.Tensor] = sdpa_attention) -> torch.Tensor:
     """One new token per sequence, batched: q (batch, heads, 1, head_dim) attends over k, v (batch, heads, L,
     head_dim) where `valid` (batch, L) is False at the padding of sequences shorter than L."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
+    return kernel(q, k, v, attn_mask=valid[:, None, None, :], is_causal=False)
+
+
+class PagedBatch:
+    """One iteration of the serving engine as the model sees it: a ragged batch of chunks, one per sequence (a whole
+    or partial prompt, or the newest token while decoding), concatenated into a single row of tokens.
+
+    `rows` lists (sequence id, first position, tokens) per chunk, one-token chunks first. The model runs its Linear
+    layers, LayerNorms and MLP on all tokens at once; its attention layers call `attend`, which stores each chunk's
+    keys and values in the sequence's blocks and attends over the sequence's cache: the one-token rows in one batched
+    call over their keys padded to the longest, longer chunks one by one.
+    """
+
+    def __init__(self, cache: PagedKVCache, rows: list[tuple[Hashable, int, int]]) -> None:
+        lengths = [n for _, _, n in rows]
+        if lengths != sorted(lengths, key=lambda n: n > 1):
+            raise ValueError("put the one-token rows of a PagedBatch first (their attention is one batched call)")
+        device = cache.k.device
+        self.cache = cache
+        self.tokens = sum(n for _, _, n in rows)
+        self.pos = torch.cat([torch.arange(start, start + n, device=device) for _, start, n in rows])
+        self.slots = torch.cat([cache.slots(seq_id, start, start + n) for seq_id, start, n in rows])
+        ends = torch.tensor([n for _, _, n in rows], device=device).cumsum(0)
+        self.last = ends - 1  # each chunk's last token: where its next-token logits come from
+        self.decoding = sum(n == 1 for _, _, n in rows)
+        if self.decoding:
+            decode = rows[: self.decoding]
+            self.decode_slots, self.decode_valid = cache.padded_slots([s for s, _, _ in decode],
+                                                                      [start + 1 for _, start, _ in decode])
+        self.chunks = [(int(end - n), start, n, cache.slots(seq_id, 0, start + n))
+                       for (seq_id, start, n), end in zip(rows, ends.tolist(), strict=True) if n > 1]
+
+    def positions(self, seq: int, device: torch.device) -> torch.Tensor:
+        if seq != self.tokens:
+            raise ValueError(f"this PagedBatch holds {self.tokens} tokens, the input has {seq}")
+        return self.pos
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """q, k, v: (1, heads, tokens, head_dim), the tokens of every chunk in a row."""
+        cache = self.cache
+        cache.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        q = q[0].transpose(0, 1)  # (tokens, heads, head_dim)
+        parts = []  # attention output (tokens, heads, head_dim), in row order
+        if self.decoding:
+            k_seq, v_seq = (t.transpose(1, 2) for t in cache.read(layer, self.decode_slots))
+            parts.append(attend_decode(q[: self.decoding].unsqueeze(2), k_seq, v_seq, self.decode_valid,
+                                       kernel).squeeze(2))
+        for a, start, n, seq_slots in self.chunks:
+            k_seq, v_seq = (t.transpose(0, 1) for t in cache.read(layer, seq_slots))
+            parts.append(attend(q[a : a + n].transpose(0, 1), k_seq, v_seq, start, kernel).transpose(0, 1))
+        y = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return y.transpose(0, 1).unsqueeze(0)
+
+    def advance(self, seq: int) -> None:
+        """The engine tracks each sequence's progress itself (`num_computed`)."""

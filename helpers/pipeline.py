@@ -5,8 +5,9 @@ all forwards flow down the pipeline, then all backwards flow back up, and the gr
 accumulate before one optimizer step. While the pipeline fills and drains, stages wait: with p equal stages the
 idle fraction (the bubble) is (p-1)/(m+p-1), so more micro-batches shrink it.
 
-The stage modules built here are plain `nn.Module`s, so the same stages also run under
-`torch.distributed.pipelining` (`PipelineStage` with `ScheduleGPipe` or `Schedule1F1B`).
+A stage is the GPT itself with the blocks of other stages (and the embeddings or the head) removed, so it runs the
+model's own forward pass, and the same stages also run under `torch.distributed.pipelining` (`PipelineStage` with
+`ScheduleGPipe` or `Schedule1F1B`).
 """
 
 from __future__ import annotations
@@ -39,53 +40,49 @@ def stage_layers(n_layers: int, n_stages: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
 
 
-class GPTStage(nn.Module):
-    """Stage `index` of `n_stages`: the first adds the embeddings, the last the final LayerNorm and LM head.
-
-    Token ids go into the first stage, (batch, seq, d_model) activations between stages, logits come out of the
-    last. With tied weights the first and last stage each hold a copy of the embedding matrix; their gradients
-    must be summed (`sync_tied_gradients`), as Megatron-LM does for its pipeline.
+def pipeline_stage(gpt: GPT, index: int, n_stages: int) -> GPT:
+    """Stage `index` of `n_stages`: a copy of `gpt` keeping its own consecutive slice of blocks; the first stage also
+    keeps the embeddings, the last the final LayerNorm and LM head. The GPT's forward skips what a stage lacks, so
+    token ids go into the first stage, (batch, seq, d_model) activations between stages, logits come out of the
+    last. With tied weights the first and last stage each hold a copy of the embedding matrix; their gradients must
+    be summed (`sync_tied_gradients`), as Megatron-LM does for its pipeline.
     """
-
-    def __init__(self, gpt: GPT, index: int, n_stages: int):
-        super().__init__()
-        if gpt.config.dropout:
-            raise ValueError("build the GPT with dropout=0.0 to compare the pipeline with the single-process model")
-        self.index, self.n_stages = index, n_stages
-        self.is_first, self.is_last = index == 0, index == n_stages - 1
-        self.layers = stage_layers(gpt.config.n_layers, n_stages)[index]
-        self.tok_emb = copy.deepcopy(gpt.tok_emb) if self.is_first else None
-        self.pos_emb = copy.deepcopy(gpt.pos_emb) if self.is_first else None
-        self.blocks = nn.ModuleList(copy.deepcopy(gpt.blocks[i]) for i in self.layers)
-        self.ln_f = copy.deepcopy(gpt.ln_f) if self.is_last else None
-        self.lm_head = None
-        if self.is_last:
-            self.lm_head = nn.Linear(gpt.config.d_model, gpt.config.vocab_size, bias=False)
-            self.lm_head.weight = nn.Parameter(gpt.lm_head.weight.detach().clone())
-        self.tied = gpt.config.tie_weights
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.size(1), device=x.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x)) if self.is_last else x
-
-    def full_name(self, name: str) -> str:
-        """The single-process GPT's name for one of this stage's parameters (blocks are renumbered here)."""
-        if name.startswith("blocks."):
-            _, i, rest = name.split(".", 2)
-            return f"blocks.{self.layers[int(i)]}.{rest}"
-        if name == "lm_head.weight" and self.tied:
-            return "tok_emb.weight"  # the GPT lists a tied weight once, under the embedding
-        return name
+    if gpt.config.dropout:
+        raise ValueError("build the GPT with dropout=0.0 to compare the pipeline with the single-process model")
+    layers = stage_layers(gpt.config.n_layers, n_stages)[index]
+    stage = copy.deepcopy(gpt)
+    stage.blocks = nn.ModuleList(stage.blocks[i] for i in layers)  # each keeps its layer_idx
+    if index > 0:
+        stage.tok_emb = stage.pos_emb = None
+    if index < n_stages - 1:
+        stage.ln_f = stage.lm_head = None
+    return stage
 
 
-def sync_tied_gradients(stage: GPTStage, group: dist.ProcessGroup | None) -> None:
+def is_first_stage(stage: GPT) -> bool:
+    return stage.tok_emb is not None
+
+
+def is_last_stage(stage: GPT) -> bool:
+    return stage.lm_head is not None
+
+
+def full_name(stage: GPT, name: str) -> str:
+    """The single-process GPT's name for one of a stage's parameters (a stage numbers its blocks from 0)."""
+    if name.startswith("blocks."):
+        _, i, rest = name.split(".", 2)
+        return f"blocks.{stage.blocks[int(i)].attn.layer_idx}.{rest}"
+    if name == "lm_head.weight" and stage.config.tie_weights:
+        return "tok_emb.weight"  # the GPT lists a tied weight once, under the embedding
+    return name
+
+
+def sync_tied_gradients(stage: GPT, group: dist.ProcessGroup | None) -> None:
     """Sum the tied embedding's gradient between the first stage (input embedding) and the last (LM head)."""
-    if not stage.tied or stage.n_stages == 1 or not (stage.is_first or stage.is_last):
+    first, last = is_first_stage(stage), is_last_stage(stage)
+    if not stage.config.tie_weights or (first and last) or not (first or last):
         return
-    weight = stage.tok_emb.weight if stage.is_first else stage.lm_head.weight
+    weight = stage.tok_emb.weight if first else stage.lm_head.weight
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
     dist.all_reduce(weight.grad, group=group)
@@ -107,7 +104,7 @@ class Event:
     end: float
 
 
-def gpipe_step(stage: GPTStage, inputs: torch.Tensor | None, targets: torch.Tensor | None, n_microbatches: int,
+def gpipe_step(stage: GPT, inputs: torch.Tensor | None, targets: torch.Tensor | None, n_microbatches: int,
                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], activation_shape: tuple[int, ...],
                rank: int, t0: float | None = None) -> tuple[list[float], list[Event]]:
     """One GPipe step from scratch: m forwards down the pipeline, then m backwards up it; gradients accumulate.
@@ -117,37 +114,39 @@ def gpipe_step(stage: GPTStage, inputs: torch.Tensor | None, targets: torch.Tens
     loss of each micro-batch is divided by m, so the accumulated gradient is that of the mean loss over the whole
     batch. Returns the micro-batch losses (last stage) and the compute events of this rank, timed from `t0`.
     """
-    device = stage.blocks[0].ln1.weight.device if len(stage.blocks) else torch.device("cpu")
+    device = next(stage.parameters()).device
+    dtype = stage.blocks[0].ln1.weight.dtype
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter() if t0 is None else t0
     prev, nxt = rank - 1, rank + 1
-    micro_inputs = inputs.chunk(n_microbatches) if stage.is_first else [None] * n_microbatches
-    micro_targets = targets.chunk(n_microbatches) if stage.is_last else [None] * n_microbatches
+    first, last = is_first_stage(stage), is_last_stage(stage)
+    micro_inputs = inputs.chunk(n_microbatches) if first else [None] * n_microbatches
+    micro_targets = targets.chunk(n_microbatches) if last else [None] * n_microbatches
     saved, losses, events = [], [], []
 
     for i in range(n_microbatches):
-        if stage.is_first:
+        if first:
             x = micro_inputs[i]
         else:
-            x = torch.empty(activation_shape, device=device)
+            x = torch.empty(activation_shape, device=device, dtype=dtype)
             dist.recv(x, prev)
             x.requires_grad_()
         sync()
         start = time.perf_counter() - t0
         y = stage(x)
-        if stage.is_last:
+        if last:
             y = loss_fn(y, micro_targets[i]) / n_microbatches
             losses.append(y.item() * n_microbatches)
         sync()
         events.append(Event("F", i, start, time.perf_counter() - t0))
-        if not stage.is_last:
+        if not last:
             dist.send(y.detach(), nxt)
         saved.append((x, y))
 
     for i in reversed(range(n_microbatches)):  # GPipe drains in reverse order: the last micro-batch is ready first
         x, y = saved[i]
         grad = None
-        if not stage.is_last:
+        if not last:
             grad = torch.empty_like(y)
             dist.recv(grad, nxt)
         sync()
@@ -155,7 +154,7 @@ def gpipe_step(stage: GPTStage, inputs: torch.Tensor | None, targets: torch.Tens
         y.backward(grad)
         sync()
         events.append(Event("B", i, start, time.perf_counter() - t0))
-        if not stage.is_first:
+        if not first:
             dist.send(x.grad, prev)
         saved[i] = None  # free the micro-batch's activations as soon as its backward is done
     return losses, events

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .model import GPT, cached_positions, check_decoding
-from .paged_kv import PagedKVCache, attend, attend_decode
+from .paged_kv import PagedBatch, PagedKVCache
 
 SCHEDULINGS = ("continuous", "static")
 
@@ -266,41 +266,12 @@ class Engine:
     # ---- the forward pass ----
 
     def _forward(self, plan: list[tuple[_Sequence, int, int]]) -> torch.Tensor:
-        """Logits (len(plan), vocab) after the last token of each planned chunk, for the ragged batch of chunks.
-
-        Linear layers, layer norms and the MLP run on all tokens at once. Attention: the one-token rows (which
-        `step` puts first) in one batched call over their keys padded to the longest; longer chunks one by one.
-        """
-        model, cache, device = self.model, self.cache, self.cache.k.device
-        ids = torch.tensor([t for seq, start, n in plan for t in seq.tokens[start : start + n]], device=device)
-        pos = torch.cat([torch.arange(start, start + n, device=device) for _, start, n in plan])
-        slots = torch.cat([cache.slots(seq.request.request_id, start, start + n) for seq, start, n in plan])
-        offsets = [0]
-        for _, _, n in plan:
-            offsets.append(offsets[-1] + n)
-        ones = sum(n == 1 for _, _, n in plan)
-        if ones:
-            one_slots, valid = cache.padded_slots([seq.request.request_id for seq, _, _ in plan[:ones]],
-                                                  [start + 1 for _, start, _ in plan[:ones]])
-        chunks = [(offsets[i], start, n, cache.slots(seq.request.request_id, 0, start + n))
-                  for i, (seq, start, n) in enumerate(plan) if n > 1]
-        x = model.tok_emb(ids) + model.pos_emb(pos)  # (tokens, d_model); dropout is off in inference
-        n_heads, head_dim = model.config.n_heads, model.config.head_dim
-        for layer, block in enumerate(model.blocks):
-            q, k, v = block.attn.qkv(block.ln1(x)).view(len(ids), 3, n_heads, head_dim).unbind(1)
-            cache.write(layer, slots, k, v)
-            parts = []  # attention output (tokens, heads, head_dim), in row order
-            if ones:
-                k_seq, v_seq = (t.transpose(1, 2) for t in cache.read(layer, one_slots))
-                parts.append(attend_decode(q[:ones].unsqueeze(2), k_seq, v_seq, valid).squeeze(2))
-            for a, start, n, seq_slots in chunks:
-                k_seq, v_seq = (t.transpose(0, 1) for t in cache.read(layer, seq_slots))
-                parts.append(attend(q[a : a + n].transpose(0, 1), k_seq, v_seq, start).transpose(0, 1))
-            y = torch.cat(parts) if len(parts) > 1 else parts[0]
-            x = x + block.attn.out_proj(y.reshape(len(ids), -1))
-            x = x + block.mlp(block.ln2(x))
-        last = torch.tensor(offsets[1:], device=device) - 1
-        return model.lm_head(model.ln_f(x[last]))
+        """Logits (len(plan), vocab) after the last token of each planned chunk: the model's own forward pass over
+        the ragged batch of chunks, its attention reading and writing the paged cache (`PagedBatch`)."""
+        batch = PagedBatch(self.cache, [(seq.request.request_id, start, n) for seq, start, n in plan])
+        ids = torch.tensor([t for seq, start, n in plan for t in seq.tokens[start : start + n]],
+                           device=self.cache.k.device)
+        return self.model(ids.unsqueeze(0), cache=batch, logits_at=batch.last)[0]
 
     # ---- one iteration ----
 

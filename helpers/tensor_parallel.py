@@ -14,8 +14,9 @@ forward and an all-reduce of the input gradient in backward; `reduce_from_parall
 outputs in forward and is the identity in backward. Per attention or MLP block: one all-reduce of a
 (batch, seq, d_model) activation in forward, one in backward.
 
-The layers are built from a `helpers.GPT`'s own modules: each rank takes its shard of the weights, so outputs and
-gradients can be compared with the single-process model.
+`tensor_parallel_gpt` swaps a `helpers.GPT`'s own Linear layers for these (each rank takes its shard of the
+weights), so the model's forward pass runs unchanged and outputs and gradients can be compared with the
+single-process model; `parallelize_gpt` does the same with PyTorch's DTensor-based tensor parallelism.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import CausalSelfAttention
+from .attention import unavailable_reason
 from .distributed import CommLog, tensor_bytes
-from .model import GPT, FeedForward, SwiGLUFeedForward, TransformerBlock
+from .model import GPT, SwiGLUFeedForward
 
 
 def shard_rows(out_features: int, parts: int, rank: int, world_size: int) -> torch.Tensor:
@@ -131,87 +132,42 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class TensorParallelAttention(nn.Module):
-    """Causal self-attention with this rank's heads: QKV column-parallel, output projection row-parallel."""
-
-    def __init__(self, attn: CausalSelfAttention, rank: int, world_size: int, logs: TPLogs | None = None):
-        super().__init__()
-        if attn.n_heads % world_size:
-            raise ValueError(f"{attn.n_heads} attention heads cannot be split over {world_size} ranks; "
-                             "use a tensor-parallel degree that divides n_heads")
-        if attn.attn_dropout:
-            raise ValueError("tensor-parallel attention here has no dropout (each rank would need the same "
-                             "random mask for the replicated parts); build the GPT with dropout=0.0")
-        self.n_heads, self.head_dim = attn.n_heads // world_size, attn.head_dim
-        self.qkv = ColumnParallelLinear(attn.qkv, rank, world_size, parts=3, logs=logs)
-        self.out_proj = RowParallelLinear(attn.out_proj, rank, world_size, logs=logs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q, k, v = (t.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-                   for t in self.qkv(x).chunk(3, dim=-1))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+def check_tensor_parallel(gpt: GPT, world_size: int) -> None:
+    """Refuse what a tensor-parallel split of `gpt` cannot do, saying what to change."""
+    if gpt.config.n_heads % world_size:
+        raise ValueError(f"{gpt.config.n_heads} attention heads cannot be split over {world_size} ranks; use a "
+                         "tensor-parallel degree that divides n_heads")
+    if gpt.config.dropout:
+        raise ValueError("build the GPT with dropout=0.0 for tensor parallelism (each rank would need the same "
+                         "random mask for the replicated parts)")
+    reason = unavailable_reason(gpt.attn_implementation, "cpu", torch.float32, sharded=True)
+    if reason is not None:
+        raise ValueError(f"attn_implementation={gpt.attn_implementation!r}: {reason}")
 
 
-class TensorParallelMLP(nn.Module):
-    """The feed-forward with this rank's hidden units: first linear column-parallel, second row-parallel."""
+def tensor_parallel_gpt(gpt: GPT, rank: int, world_size: int, logs: TPLogs | None = None) -> GPT:
+    """A copy of `gpt` split Megatron-style: in every block the model's own QKV projection and first MLP layer become
+    column-parallel, the two output projections row-parallel, and the attention computes this rank's heads. The
+    model's forward pass runs unchanged, with its own attention implementation and feed-forward (GELU or SwiGLU).
 
-    def __init__(self, mlp: FeedForward | SwiGLUFeedForward, rank: int, world_size: int, logs: TPLogs | None = None):
-        super().__init__()
-        if mlp.dropout.p:
-            raise ValueError("build the GPT with dropout=0.0 for tensor parallelism")
-        self.gated = isinstance(mlp, SwiGLUFeedForward)
-        self.fc = ColumnParallelLinear(mlp.fc, rank, world_size, parts=2 if self.gated else 1, logs=logs)
-        self.proj = RowParallelLinear(mlp.proj, rank, world_size, logs=logs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.proj(h)
-
-
-class TensorParallelBlock(nn.Module):
-    """A pre-LayerNorm block whose attention and MLP are split; the LayerNorms are replicated on every rank."""
-
-    def __init__(self, block: TransformerBlock, rank: int, world_size: int, logs: TPLogs | None = None):
-        super().__init__()
-        self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
-        self.attn = TensorParallelAttention(block.attn, rank, world_size, logs)
-        self.mlp = TensorParallelMLP(block.mlp, rank, world_size, logs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class TensorParallelGPT(nn.Module):
-    """A `helpers.GPT` with every block tensor-parallel; embeddings, final LayerNorm and LM head replicated.
-
-    Replicated parameters see the same inputs and (after f's all-reduce) the same gradients on every rank, so
-    they stay equal without any extra communication.
+    Embeddings, LayerNorms and the LM head stay replicated: they see the same inputs and (after f's all-reduce) the
+    same gradients on every rank, so they stay equal without any extra communication.
     """
-
-    def __init__(self, gpt: GPT, rank: int, world_size: int, logs: TPLogs | None = None):
-        super().__init__()
-        self.logs = logs
-        # One deepcopy of the replicated parts keeps the LM head tied to the token embedding.
-        self.tok_emb, self.pos_emb, self.ln_f, self.lm_head = copy.deepcopy(
-            (gpt.tok_emb, gpt.pos_emb, gpt.ln_f, gpt.lm_head))
-        self.blocks = nn.ModuleList(TensorParallelBlock(b, rank, world_size, logs) for b in gpt.blocks)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.size(1), device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+    check_tensor_parallel(gpt, world_size)
+    model = copy.deepcopy(gpt)  # one copy keeps the LM head tied to the token embedding
+    for block in model.blocks:
+        attn, mlp = block.attn, block.mlp
+        attn.qkv = ColumnParallelLinear(attn.qkv, rank, world_size, parts=3, logs=logs)
+        attn.out_proj = RowParallelLinear(attn.out_proj, rank, world_size, logs=logs)
+        gated = isinstance(mlp, SwiGLUFeedForward)  # its fc holds the gate and up rows: split each
+        mlp.fc = ColumnParallelLinear(mlp.fc, rank, world_size, parts=2 if gated else 1, logs=logs)
+        mlp.proj = RowParallelLinear(mlp.proj, rank, world_size, logs=logs)
+        attn.n_heads //= world_size
+        attn.d_model //= world_size
+    return model
 
 
-def shard_of(tp_model: TensorParallelGPT, name: str, full: torch.Tensor) -> torch.Tensor:
+def shard_of(tp_model: GPT, name: str, full: torch.Tensor) -> torch.Tensor:
     """The part of the full-size tensor `full` (a parameter or gradient of the single-process GPT called `name`)
     that the tensor-parallel parameter of the same name holds on this rank."""
     module_name, _, _ = name.rpartition(".")
@@ -234,11 +190,10 @@ def parallelize_gpt(gpt: GPT, mesh) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     world = mesh.size()
+    check_tensor_parallel(gpt, world)
     permutations = {}
     for i, block in enumerate(gpt.blocks):
         attn, mlp = block.attn, block.mlp
-        if attn.n_heads % world:
-            raise ValueError(f"{attn.n_heads} heads cannot be split over {world} ranks")
         fused = [("attn.qkv", attn.qkv, 3), ("mlp.fc", mlp.fc, 2 if isinstance(mlp, SwiGLUFeedForward) else 1)]
         for name, linear, parts in fused:
             perm = torch.cat([shard_rows(linear.out_features, parts, r, world) for r in range(world)])

@@ -9,15 +9,12 @@ schedule's step, every random-number generator and the data position.
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -31,8 +28,8 @@ from .device import (
     needs_grad_scaler,
 )
 from .lr_schedule import check_schedule, learning_rate
+from .step import IGNORE_INDEX, TrainingStep, autocast_context, token_loss_sum
 
-IGNORE_INDEX = -100  # targets with this id (padding) carry no loss, as in F.cross_entropy
 PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -92,9 +89,7 @@ class Precision:
         return needs_grad_scaler(self.dtype)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.dtype)
+        return autocast_context(self.device_type, self.dtype)
 
 
 def resolve_precision(precision: str, caps: DeviceCapabilities) -> Precision:
@@ -106,39 +101,6 @@ def resolve_precision(precision: str, caps: DeviceCapabilities) -> Precision:
         raise ValueError(f"unknown precision {precision!r}; valid: auto, {', '.join(PRECISIONS)}")
     dtype = PRECISIONS[precision]
     return Precision(caps.device_type, dtype if dtype is None else check_dtype(caps, dtype))
-
-
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over the target tokens (IGNORE_INDEX skipped), in fp32 at least: a bf16/fp16
-    log-softmax over 50k classes loses the small probabilities that carry the gradient."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-
-
-def accumulate_gradients(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                         scaler: torch.amp.GradScaler | None = None) -> tuple[float, int]:
-    """Backpropagate the step's loss — the mean over *every target token of all micro-batches* — one micro-batch
-    at a time; returns (that mean loss, the number of target tokens).
-
-    Each micro-batch adds (its summed token losses) / (the step's total target tokens). Averaging per-micro-batch
-    means instead weights a token of a short micro-batch more than one of a long micro-batch, so the gradient
-    differs from the full batch's whenever micro-batches hold different numbers of targets (padding,
-    ignore_index) — the bug fixed in transformers' Trainer in 2024.
-    """
-    n_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
-    if n_tokens == 0:
-        raise ValueError("the micro-batches hold no target tokens (all are IGNORE_INDEX): nothing to learn from")
-    total = torch.zeros((), dtype=torch.float64)
-    for x, y in micro_batches:
-        with autocast():
-            logits = model(x)
-        loss_sum = token_loss_sum(logits, y)
-        loss = loss_sum / n_tokens
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        total += loss_sum.detach().double().cpu()
-    return total.item() / n_tokens, n_tokens
 
 
 class ShuffledBatches:
@@ -229,7 +191,9 @@ class Trainer:
         self.tokenizer = tokenizer
         self.optimizer = make_optimizer(self.model, config, fused=fused_adamw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.needs_scaler)
+        self.training_step = TrainingStep(self.model, self.optimizer, autocast=self.precision.dtype,
+                                          grad_clip=config.grad_clip, measure_grad_norm=True)
+        self.scaler = self.training_step.scaler
         self.batches = ShuffledBatches(train_ids, config.batch_size, self.context_length, config.seed)
         self.val = None if val_ids is None else evaluation_windows(
             val_ids, self.context_length, config.eval_batches * config.batch_size)
@@ -253,20 +217,9 @@ class Trainer:
         self.model.train()
         micro = [tuple(t.to(self.device, non_blocking=True) for t in self.batches.next())
                  for _ in range(self.config.grad_accum_steps)]
-        scaler = self.scaler if self.scaler.is_enabled() else None
-        loss, _ = accumulate_gradients(self.model, micro, self.precision.autocast, scaler)
-        if scaler is not None:
-            scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
-        grad_norm = float(nn.utils.clip_grad_norm_(params, max_norm))
         lr = self.optimizer.param_groups[0]["lr"]
-        if scaler is not None:
-            scaler.step(self.optimizer)  # skipped when the gradients hold inf/NaN; the scale then backs off
-            scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        result = self.training_step(micro)
+        loss, grad_norm = result.loss, result.grad_norm
         self.scheduler.step()
         self.step += 1
         if self.device.type == "cuda":
@@ -412,17 +365,10 @@ def accumulation_peak_in_fresh_process(config: dict, micro_batch: int, accum_ste
     def build_and_train():
         torch.manual_seed(0)
         model = GPT(gpt_config).to(dev)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        scaler = torch.amp.GradScaler(dev.type) if amp.needs_scaler else None
+        step = TrainingStep(model, torch.optim.AdamW(model.parameters(), lr=1e-4), autocast=amp.dtype)
         for _ in range(2):  # the first step allocates AdamW's state, the second runs with it
             ids = torch.randint(gpt_config.vocab_size, (accum_steps, micro_batch, seq + 1), device=dev)
-            accumulate_gradients(model, [(b[:, :-1], b[:, 1:]) for b in ids], amp.autocast, scaler)
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            step([(b[:, :-1], b[:, 1:]) for b in ids])
 
     if dev.type == "cuda":
         return peak_cuda_bytes(build_and_train, dev)

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -43,6 +42,7 @@ from .device import DeviceCapabilities, autocast_dtype, detect_capabilities, nee
 from .flops import PeakFlops, measure_matmul_flops, mfu, peak_flops, training_step_flops
 from .model import GPT
 from .optional import require
+from .step import TrainingStep
 from .weights import hf_config_dict, hf_state_dict
 
 VOCAB_MULTIPLE = 64  # matmul tiles and vector widths divide it: 50257 -> 50304
@@ -231,53 +231,31 @@ def matmul_precision(device: torch.device, tf32: bool) -> Iterator[None]:
         torch.set_float32_matmul_precision(before)
 
 
-class TrainingStep:
-    """One optimizer step of `model` under `settings`: `accumulation` micro-batches forward and backward, then AdamW.
+def ladder_step(model: nn.Module, settings: StepSettings, vocab_size: int,
+                forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] = gpt_logits,
+                lr: float = LEARNING_RATE) -> TrainingStep:
+    """The course's one training step (`helpers.step.TrainingStep`) under a rung's settings: AdamW (fused or not),
+    the autocast dtype, torch.compile, and the loss over the first `vocab_size` logits (so a padded LM head trains as
+    the unpadded one). `forward` maps (model, token ids) to logits: `gpt_logits` for ours, `peer_logits` for
+    transformers'."""
+    optimizer = torch.optim.AdamW(model.train().parameters(), lr=lr, fused=True if settings.fused_adamw else None)
+    return TrainingStep(model, optimizer, autocast=getattr(torch, settings.autocast) if settings.autocast else None,
+                        compile=settings.compile, forward=forward, vocab_size=vocab_size)
 
-    The loss is cross-entropy over the first `vocab_size` logits (so a padded LM head trains as the unpadded one),
-    in float32 at least (float64 models keep float64).
-    `logits` maps (model, token ids) to logits: `gpt_logits` for ours, `peer_logits` for transformers'.
-    """
 
-    def __init__(self, model: nn.Module, settings: StepSettings, vocab_size: int,
-                 logits: Callable[[nn.Module, torch.Tensor], torch.Tensor] = gpt_logits,
-                 lr: float = LEARNING_RATE) -> None:
-        self.model, self.settings, self.vocab_size, self.logits = model.train(), settings, vocab_size, logits
-        self.lr = lr
-        self.device = next(model.parameters()).device
-        self.dtype = getattr(torch, settings.autocast) if settings.autocast else None
-        self.optimizer = self._optimizer()
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=needs_grad_scaler(self.dtype))
-        self.loss = torch.compile(self._loss) if settings.compile else self._loss
+def restart(step: TrainingStep, state: dict[str, torch.Tensor], settings: StepSettings) -> None:
+    """Back to the weights `state` with a fresh optimizer; the parameters stay the same tensors, so compiled code
+    stays valid."""
+    with torch.no_grad():
+        step.model.load_state_dict(state)
+    step.optimizer = torch.optim.AdamW(step.model.parameters(), lr=step.optimizer.defaults["lr"],
+                                       fused=True if settings.fused_adamw else None)
 
-    def _optimizer(self) -> torch.optim.AdamW:
-        return torch.optim.AdamW(self.model.parameters(), lr=self.lr, fused=True if self.settings.fused_adamw else None)
 
-    def restart(self, state: dict[str, torch.Tensor]) -> None:
-        """Back to the weights `state` with a fresh optimizer; the parameters stay the same tensors, so compiled
-        code stays valid."""
-        with torch.no_grad():
-            self.model.load_state_dict(state)
-        self.optimizer = self._optimizer()
-
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
-            logits = self.logits(self.model, x)
-        logits = logits[..., : self.vocab_size].flatten(0, 1)
-        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), y.flatten())
-
-    def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Train on `batches` (the micro-batches of one step); returns their mean loss (a tensor: no sync)."""
-        total = torch.zeros((), device=self.device)
-        with matmul_precision(self.device, self.settings.tf32):
-            for x, y in batches:
-                loss = self.loss(x, y)
-                self.scaler.scale(loss / len(batches)).backward()
-                total += loss.detach()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total / len(batches)
+def run_step(step: TrainingStep, tf32: bool, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """One step on `batches` (the micro-batches of one optimizer step); their mean loss."""
+    with matmul_precision(next(step.model.parameters()).device, tf32):
+        return step(batches).loss
 
 
 def make_batches(vocab_size: int, settings: StepSettings, device: torch.device | str,
@@ -302,12 +280,12 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def warm_up(step: Callable[[], torch.Tensor], n: int) -> list[float]:
+def warm_up(step: Callable[[], float], n: int) -> list[float]:
     """Run `n` untimed steps (allocation, kernel choice, compilation); their losses."""
     return [float(step()) for _ in range(n)]
 
 
-def timed_rounds(steps: dict[str, Callable[[], torch.Tensor]], repeats: int,
+def timed_rounds(steps: dict[str, Callable[[], float]], repeats: int,
                  device: torch.device) -> dict[str, tuple[list[float], list[float]]]:
     """(seconds, losses) of `repeats` timed runs of each step.
 
@@ -382,9 +360,10 @@ class Ladder:
         return model.set_attn_implementation(settings.attn_implementation).to(self.device)
 
     def _step(self, model: nn.Module, settings: StepSettings, logits=gpt_logits) -> functools.partial:
-        """A training step bound to this ladder's batches (`.func` is the TrainingStep)."""
-        step = TrainingStep(model, settings, self.config.vocab_size, logits)
-        return functools.partial(step, make_batches(self.config.vocab_size, settings, self.device, self.seed))
+        """A training step bound to this ladder's batches (`.args[0]` is the TrainingStep)."""
+        step = ladder_step(model, settings, self.config.vocab_size, logits)
+        return functools.partial(run_step, step, settings.tf32,
+                                 make_batches(self.config.vocab_size, settings, self.device, self.seed))
 
     def _release(self) -> None:
         gc.collect()
@@ -448,7 +427,7 @@ class Ladder:
         best, ours = self.best
         s = StepSettings(**best.settings)
         initial = self._model(s)  # the initial weights, padded as our best rung's
-        ours.func.restart(initial.state_dict())
+        restart(ours.args[0], initial.state_dict(), s)
         out = {"best_rung": best.name, "settings": best.settings, "vocab_size": initial.config.vocab_size,
                "attn_implementation": PEER_ATTENTION.get(s.attn_implementation)}
         try:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import GPT, GPTConfig
-from helpers.kv_cache import KVCache, forward_cached, generate_with_cache, kv_cache_bytes_per_token
+from helpers.kv_cache import KVCache, generate_with_cache, kv_cache_bytes_per_token
 
 TINY = GPTConfig(vocab_size=97, context_length=48, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
 VARIANTS = {
@@ -45,9 +45,10 @@ def test_cached_logits_match_whole_sequence_forward(chunks):
     idx = torch.randint(0, TINY.vocab_size, (2, sum(chunks)), generator=torch.Generator().manual_seed(1))
     cache = KVCache(TINY, batch=2, max_len=sum(chunks), dtype=torch.float64)
     pieces, start = [], 0
-    for n in chunks:
-        pieces.append(forward_cached(model, idx[:, start : start + n], cache, all_logits=True))
-        start += n
+    with torch.no_grad():
+        for n in chunks:
+            pieces.append(model(idx[:, start : start + n], cache=cache))
+            start += n
     assert cache.length == sum(chunks)
     with torch.no_grad():
         expected = model(idx)
@@ -135,13 +136,16 @@ def test_float_prompt_and_cache_overflow_are_rejected():
     with pytest.raises(TypeError, match="prompts of different lengths"):
         generate_with_cache(model, [[1, 2, 3], [4]], 2)
     cache = KVCache(TINY, batch=1, max_len=4, dtype=torch.float64)
-    forward_cached(model, torch.zeros(1, 3, dtype=torch.long), cache)
+    model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="room for 4 positions; 3 are used"):
-        forward_cached(model, torch.zeros(1, 2, dtype=torch.long), cache)
+        model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="holds 1 sequences"):
-        forward_cached(model, torch.zeros(2, 1, dtype=torch.long), cache)
+        model(torch.zeros(2, 1, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="exceeds the context length"):
         KVCache(TINY, batch=1, max_len=TINY.context_length + 1)
     dropout_model = model_for(dataclasses.replace(TINY, dropout=0.1)).train()
     with pytest.raises(ValueError, match="call model.eval"):
-        forward_cached(dropout_model, torch.zeros(1, 1, dtype=torch.long), KVCache(TINY, 1, 4, torch.float64))
+        dropout_model(torch.zeros(1, 1, dtype=torch.long), cache=KVCache(TINY, 1, 4, torch.float64))
+    with pytest.raises(RuntimeError, match="flash_torch computes causal attention over a square score matrix only"):
+        model_for(TINY).set_attn_implementation("flash_torch")(torch.zeros(1, 1, dtype=torch.long),
+                                                               cache=KVCache(TINY, 1, 4, torch.float64))

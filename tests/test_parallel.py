@@ -18,8 +18,8 @@ from helpers.distributed import (
     ring_all_reduce_bytes,
 )
 from helpers.model import GPT
-from helpers.pipeline import GPTStage, bubble_fraction, stage_layers
-from helpers.tensor_parallel import TensorParallelAttention, shard_rows
+from helpers.pipeline import bubble_fraction, pipeline_stage, stage_layers
+from helpers.tensor_parallel import shard_rows, tensor_parallel_gpt
 
 CH07 = Path(__file__).resolve().parents[1] / "ch07_parallel"
 TINY = ["--layers", "2", "--d-model", "64", "--heads", "4", "--vocab", "256", "--context", "32"]
@@ -264,7 +264,11 @@ def test_fused_qkv_is_sharded_per_head_not_contiguously():
 def test_tensor_parallel_rejects_heads_it_cannot_split():
     model = GPT(GPTConfig(vocab_size=32, context_length=8, d_model=12, n_heads=3, n_layers=1, dropout=0.0))
     with pytest.raises(ValueError, match="3 attention heads cannot be split over 2 ranks"):
-        TensorParallelAttention(model.blocks[0].attn, rank=0, world_size=2)
+        tensor_parallel_gpt(model, rank=0, world_size=2)
+    layout = GPT(GPTConfig(vocab_size=32, context_length=8, d_model=16, n_heads=2, n_layers=1, dropout=0.0),
+                 attn_implementation="einsum")
+    with pytest.raises(ValueError, match="einsum computes its projections from the full weight matrices itself"):
+        tensor_parallel_gpt(layout, rank=0, world_size=2)
 
 
 def test_pipeline_stages_cover_the_layers_and_reject_dropout():
@@ -273,8 +277,10 @@ def test_pipeline_stages_cover_the_layers_and_reject_dropout():
         stage_layers(2, 3)
     config = GPTConfig(vocab_size=32, context_length=8, d_model=16, n_heads=2, n_layers=2, dropout=0.0)
     model = GPT(config)
-    first, last = GPTStage(model, 0, 2), GPTStage(model, 1, 2)
+    first, last = pipeline_stage(model, 0, 2), pipeline_stage(model, 1, 2)
     x = torch.randint(32, (2, 8))
     torch.testing.assert_close(last(first(x)), model(x), rtol=0, atol=1e-6)  # the stages compose to the model
+    with pytest.raises(ValueError, match="takes activations"):
+        last(x)
     with pytest.raises(ValueError, match="dropout=0.0"):
-        GPTStage(GPT(GPTConfig(vocab_size=32, context_length=8, d_model=16, n_heads=2, n_layers=2)), 0, 2)
+        pipeline_stage(GPT(GPTConfig(vocab_size=32, context_length=8, d_model=16, n_heads=2, n_layers=2)), 0, 2)

@@ -12,14 +12,8 @@ from helpers.config import GPTConfig
 from helpers.device import REFERENCE_DEVICES, UnsupportedDtypeError
 from helpers.lr_schedule import learning_rate
 from helpers.model import GPT
-from helpers.train import (
-    IGNORE_INDEX,
-    ShuffledBatches,
-    TrainConfig,
-    Trainer,
-    accumulate_gradients,
-    resolve_precision,
-)
+from helpers.step import IGNORE_INDEX, accumulate_gradients
+from helpers.train import ShuffledBatches, TrainConfig, Trainer, resolve_precision
 
 TINY = GPTConfig(vocab_size=97, context_length=16, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
 
