@@ -23,8 +23,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from helpers.attention_bench import bench_attention, make_step  # noqa: E402
-from helpers.env import environment_report  # noqa: E402
+from helpers.measure.attention_bench import bench_attention, make_step  # noqa: E402
+from helpers.system.device import parse_dtype
+from helpers.system.env import environment_report  # noqa: E402
 
 SWEEP = ["eager", "sdpa", "sdpa_mask", "flash_attention_2", "flash_triton", "flash_torch"]
 MAX_SEQ_CANDIDATES = ["eager", "sdpa", "sdpa_mask", "flash_attention_2", "flash_triton"]
@@ -80,7 +81,7 @@ def main() -> None:
                                   bench_attention(1, s, d_model, heads, dtype, device.type, mode, SWEEP, run_time,
                                                   memory=not args.smoke)]
     print(f"sweep: done at {time.perf_counter() - started:.0f} s", flush=True)
-    torch_dtype = getattr(torch, dtype)
+    torch_dtype = parse_dtype(dtype)
     run["max_seq"] = {name: longest_fitting_sequence(name, lens[0], limit, d_model, heads, torch_dtype, device)
                       for name in MAX_SEQ_CANDIDATES
                       if next(r for r in run["modes"]["fwdbwd"] if r["name"] == name)["status"] == "ok"}

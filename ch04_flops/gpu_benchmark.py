@@ -27,20 +27,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from helpers.batch_size import BatchSizeError, cuda_step_fits, largest_batch_size, make_training_step  # noqa: E402
-from helpers.config import PRESETS  # noqa: E402
-from helpers.device import autocast_dtype, detect_capabilities  # noqa: E402
-from helpers.env import environment_report  # noqa: E402
-from helpers.flops import (  # noqa: E402
-    gpt_operations,
+from helpers.measure.batch_size import BatchSizeError, cuda_step_fits, largest_batch_size, make_training_step  # noqa: E402
+from helpers.measure.mfu import (  # noqa: E402
     measure_matmul_flops,
     measure_memory_bandwidth,
     measure_throughput,
     mfu,
     peak_flops,
-    time_operation,
 )
-from helpers.model import GPT  # noqa: E402
+from helpers.measure.roofline import gpt_operations, time_operation  # noqa: E402
+from helpers.model.config import PRESETS  # noqa: E402
+from helpers.model.gpt import GPT  # noqa: E402
+from helpers.system.device import autocast_dtype, detect_capabilities, dtype_name  # noqa: E402
+from helpers.system.env import environment_report  # noqa: E402
 
 GPT2 = ["gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl"]
 
@@ -125,7 +124,7 @@ def main() -> None:
     peak = peak_flops(caps.name, device.type, dtype, measure=lambda: measured_peak)
     bandwidth = measure_memory_bandwidth(device, nbytes=copy_bytes, min_run_time=run_time)
     run = {"device_name": caps.name, "torch": env["torch"], "cuda": torch.version.cuda, "smoke": args.smoke,
-           "dtype": str(dtype or torch.float32).removeprefix("torch."), "peak_flops": peak.flops,
+           "dtype": dtype_name(dtype), "peak_flops": peak.flops,
            "peak_source": peak.source, "measured_matmul_flops": measured_peak, "measured_bandwidth": bandwidth,
            "presets": []}
     for name in presets:

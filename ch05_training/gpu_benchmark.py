@@ -22,8 +22,8 @@ import matplotlib
 matplotlib.use("Agg")
 import torch  # noqa: E402
 
-from helpers.env import environment_report  # noqa: E402
-from helpers.train_bench import bench_train, format_report, plot_ladder  # noqa: E402
+from helpers.measure.train_bench import bench_train, format_report, plot_ladder  # noqa: E402
+from helpers.system.env import environment_report  # noqa: E402
 
 
 def main() -> None:

@@ -27,28 +27,31 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.data import NextTokenDataset
-from helpers.distributed import (
+from helpers.model.gpt import GPT
+from helpers.parallel.comm import (
     CommLog,
-    add_common_args,
-    add_dtype_arg,
     bytes_written,
-    config_from_args,
     counting_allreduce_hook,
     gradient_bytes,
+    ring_all_reduce_bytes,
+    ring_allreduce_hook,
+)
+from helpers.parallel.runtime import (
+    add_common_args,
+    add_dtype_arg,
+    config_from_args,
     max_abs_diff,
     max_param_diff,
     rank_batches,
-    ring_all_reduce_bytes,
-    ring_allreduce_hook,
     run_info,
     setup,
     teardown,
     token_ids,
     write_json,
 )
-from helpers.model import GPT
-from helpers.step import lm_loss
+from helpers.system.device import parse_dtype
+from helpers.text.data import NextTokenDataset
+from helpers.training.step import lm_loss
 
 OPTIMIZERS = {  # the comparisons use SGD; one run shows what AdamW does to the same rounding differences
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
@@ -120,7 +123,7 @@ def main() -> None:
     config = config_from_args(args)
     torch.manual_seed(args.seed)
     # the same seed on every rank; DDP also broadcasts rank 0's weights at construction
-    base = GPT(config).to(getattr(torch, args.dtype))
+    base = GPT(config).to(parse_dtype(args.dtype))
     dataset = NextTokenDataset(token_ids(config.vocab_size), config.context_length)
     n_micro = args.steps * args.accum
     all_batches = [rank_batches(dataset, world, r, args.batch, args.seed, n_micro) for r in range(world)]

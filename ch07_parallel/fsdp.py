@@ -30,26 +30,25 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.config import GPTConfig
-from helpers.data import NextTokenDataset
-from helpers.distributed import (
+from helpers.measure.memory import peak_cuda_bytes, peak_rss_above_baseline, proc_status_bytes
+from helpers.model.config import GPTConfig
+from helpers.model.gpt import GPT
+from helpers.parallel.comm import bytes_written, ring_all_reduce_bytes, tensor_bytes
+from helpers.parallel.runtime import (
     add_common_args,
     add_dtype_arg,
-    bytes_written,
     config_from_args,
     max_abs_diff,
     rank_batches,
-    ring_all_reduce_bytes,
     run_info,
     setup,
     teardown,
-    tensor_bytes,
     token_ids,
     write_json,
 )
-from helpers.memory import peak_cuda_bytes, peak_rss_above_baseline, proc_status_bytes
-from helpers.model import GPT
-from helpers.step import lm_loss
+from helpers.system.device import parse_dtype, synchronize
+from helpers.text.data import NextTokenDataset
+from helpers.training.step import lm_loss
 
 
 def local_bytes(t: torch.Tensor | None) -> int:
@@ -139,7 +138,7 @@ def main() -> None:
     warm_up(args.strategy, runtime)
     gc.collect()
     rss_before = proc_status_bytes("VmRSS")
-    dtype = getattr(torch, args.dtype)
+    dtype = parse_dtype(args.dtype)
     model = build(args.strategy, config, args.seed, runtime, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     gc.collect()
@@ -155,8 +154,7 @@ def main() -> None:
                 state["gradients"] = sum(local_bytes(p.grad) for p in model.parameters())
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             w1 = bytes_written()
             written.append(None if w0 is None or runtime.backend != "gloo" else w1 - w0)
 

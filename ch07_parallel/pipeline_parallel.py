@@ -2,9 +2,10 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 ch07_parallel/pipeline_parallel.py --out pp.json
 
-1. GPipe from scratch (`helpers.pipeline.gpipe_step`, blocking send/recv), then `torch.distributed.pipelining`'s
-   `ScheduleGPipe` and `Schedule1F1B` on the same stage modules: every stage's gradients and the loss compared with
-   the single-process model on the whole batch (each rank recomputes the reference for its own stage).
+1. GPipe from scratch (`helpers.parallel.pipeline.gpipe_step`, blocking send/recv), then
+   `torch.distributed.pipelining`'s `ScheduleGPipe` and `Schedule1F1B` on the same stage modules: every stage's
+   gradients and the loss compared with the single-process model on the whole batch (each rank recomputes the
+   reference for its own stage).
 2. The bubble: for several micro-batch counts m (same global batch), the idle fraction of the from-scratch GPipe
    step, measured from each rank's compute intervals, against (p-1)/(m+p-1); the step time of the two library
    schedules beside it.
@@ -23,20 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from helpers.distributed import (
-    add_common_args,
-    bytes_written,
-    config_from_args,
-    max_abs_diff,
-    max_over_ranks,
-    ring_all_reduce_bytes,
-    run_info,
-    setup,
-    teardown,
-    write_json,
-)
-from helpers.model import GPT
-from helpers.pipeline import (
+from helpers.model.gpt import GPT
+from helpers.parallel.comm import bytes_written, ring_all_reduce_bytes
+from helpers.parallel.pipeline import (
     Event,
     bubble_fraction,
     full_name,
@@ -49,7 +39,18 @@ from helpers.pipeline import (
     sync_tied_gradients,
     tied_group,
 )
-from helpers.step import lm_loss
+from helpers.parallel.runtime import (
+    add_common_args,
+    config_from_args,
+    max_abs_diff,
+    max_over_ranks,
+    run_info,
+    setup,
+    teardown,
+    write_json,
+)
+from helpers.system.device import synchronize
+from helpers.training.step import lm_loss
 
 SCHEDULES = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}
 
@@ -161,8 +162,7 @@ def bubble_sweep(pipe: Pipeline, micro_counts: list[int], repeats: int) -> list[
                 lib_stage.zero_grad(set_to_none=True)
                 t0 = common_clock(pipe.device)
                 pipe.library_step(schedule, lib_stage)
-                if pipe.device.type == "cuda":
-                    torch.cuda.synchronize(pipe.device)
+                synchronize(pipe.device)
                 times.append(max_over_ranks(time.perf_counter() - t0, pipe.device))
             row[f"{name}_step_seconds"] = statistics.median(times)
         rows.append(row)

@@ -5,7 +5,7 @@
 Two versions of the same Megatron-style split of a `helpers.GPT`, both compared on rank 0's single-process model
 (same weights, same batch): logits, loss and every parameter's gradient (each rank checks its own shard).
 
-1. From scratch (`helpers.tensor_parallel`): column- and row-parallel linear layers with the f/g operators; the
+1. From scratch (`helpers.parallel.tensor_parallel`): column- and row-parallel linear layers with the f/g operators; the
    all-reduces are counted (calls and bytes, forward and backward) against the analytic count: per block one
    all-reduce of batch x seq x d_model activations in forward and one in backward, for attention and for the MLP.
    On gloo, the bytes each rank wrote to its sockets are compared with the ring all-reduce volume.
@@ -25,21 +25,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from helpers.distributed import (
+from helpers.model.gpt import GPT
+from helpers.parallel.comm import bytes_written, ring_all_reduce_bytes
+from helpers.parallel.runtime import (
     add_common_args,
-    bytes_written,
     config_from_args,
     max_abs_diff,
     max_over_ranks,
-    ring_all_reduce_bytes,
     run_info,
     setup,
     teardown,
     write_json,
 )
-from helpers.model import GPT
-from helpers.step import lm_loss
-from helpers.tensor_parallel import TPLogs, parallelize_gpt, shard_of, tensor_parallel_gpt
+from helpers.parallel.tensor_parallel import TPLogs, parallelize_gpt, shard_of, tensor_parallel_gpt
+from helpers.training.step import lm_loss
 
 
 def reference_pass(base: GPT, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -1,13 +1,13 @@
 """Tested building blocks of the course "GPT from scratch, fast"; notebooks import them."""
 
-from .config import PRESETS, GPTConfig
-from .data import load_corpus, load_token_ids, make_dataloader, train_val_split
-from .device import autocast_dtype, detect_capabilities, needs_grad_scaler
-from .env import environment_line, environment_report
-from .model import GPT
-from .optional import quiet_expected_library_logs
-from .scale import by_scale, current_scale
-from .tokenizer import get_tokenizer
+from .model.config import PRESETS, GPTConfig
+from .model.gpt import GPT
+from .system.device import autocast_dtype, detect_capabilities, needs_grad_scaler
+from .system.env import environment_line, environment_report
+from .system.optional import quiet_expected_library_logs
+from .system.scale import by_scale, current_scale
+from .text.data import load_corpus, load_token_ids, make_dataloader, train_val_split
+from .text.tokenizer import get_tokenizer
 
 __all__ = [
     "GPT",

@@ -31,7 +31,7 @@ positive_float.__name__ = "number > 0"
 
 
 def _env(args: argparse.Namespace) -> int:
-    from .env import environment_report, format_report
+    from .system.env import environment_report, format_report
 
     report = environment_report()
     print(json.dumps(report, indent=2) if args.json else format_report(report))
@@ -39,9 +39,9 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _bench_attention(args: argparse.Namespace) -> int:
-    from .attention_bench import bench_attention, format_results, results_as_dicts
-    from .device import default_device_type
-    from .scale import by_scale, current_scale
+    from .measure.attention_bench import bench_attention, format_results, results_as_dicts
+    from .system.device import default_device_type
+    from .system.scale import by_scale, current_scale
 
     device = args.device or default_device_type()
     defaults = by_scale(current_scale(device), smoke=(2, 128, 128, 4), cpu=(2, 1024, 768, 12), gpu=(8, 1024, 768, 12))
@@ -64,8 +64,8 @@ def _bench_attention(args: argparse.Namespace) -> int:
 
 
 def _flops(args: argparse.Namespace) -> int:
-    from .config import PRESETS
-    from .flops import flops_report, format_flops_report
+    from .measure.flops import flops_report, format_flops_report
+    from .model.config import PRESETS
 
     config = PRESETS[args.model]
     ctx = config.context_length if args.ctx is None else args.ctx
@@ -78,8 +78,8 @@ def _flops(args: argparse.Namespace) -> int:
 
 
 def _bench_load(args: argparse.Namespace) -> int:
-    from .device import default_device_type
-    from .loading import bench_load, format_results, results_as_dicts
+    from .measure.load_bench import bench_load, format_results, results_as_dicts
+    from .system.device import default_device_type
 
     results = bench_load(args.model, args.only, device=args.device or default_device_type(), repeats=args.repeats,
                          cold=args.cold, progress=lambda line: print(line, file=sys.stderr, flush=True))
@@ -88,9 +88,9 @@ def _bench_load(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from .device import default_device_type
-    from .scale import by_scale, current_scale
-    from .serving_bench import bench_serve, format_report
+    from .measure.serving_bench import bench_serve, format_report
+    from .system.device import default_device_type
+    from .system.scale import by_scale, current_scale
 
     device = args.device or default_device_type()
     model, requests, max_batch, block_size = by_scale(current_scale(device), smoke=("gpt-smoke", 16, 4, 8),
@@ -109,10 +109,10 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _bench_train(args: argparse.Namespace) -> int:
-    from .config import PRESETS
-    from .device import default_device_type
-    from .scale import by_scale, current_scale
-    from .train_bench import bench_train, format_report
+    from .measure.train_bench import bench_train, format_report
+    from .model.config import PRESETS
+    from .system.device import default_device_type
+    from .system.scale import by_scale, current_scale
 
     device = args.device or default_device_type()
     model, batch, ctx, steps = by_scale(current_scale(device), smoke=("gpt-smoke", 2, 64, 2),
@@ -135,7 +135,7 @@ def _bench_train(args: argparse.Namespace) -> int:
 
 def _run_notebooks(args: argparse.Namespace) -> int:
     from .notebooks import ROOT, execute_notebook, find_notebooks
-    from .scale import smoke_requested
+    from .system.scale import smoke_requested
 
     paths = [Path(p) for p in args.notebooks] or find_notebooks()
     smoke = args.smoke or smoke_requested()
@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     env.add_argument("--json", action="store_true", help="one JSON object instead of text")
     env.set_defaults(func=_env)
 
-    from .attention import IMPLEMENTATIONS
-    from .attention_bench import DTYPES, MODES
+    from .measure.attention_bench import DTYPES, MODES
+    from .model.attention import IMPLEMENTATIONS
 
     bench = commands.add_parser("bench-attention", help="time every attention implementation on the same weights")
     bench.add_argument("--batch", type=positive_int, help="default: by scale (smoke 2, cpu 2, gpu 8)")
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", action="store_true", help="a JSON list instead of a table")
     bench.set_defaults(func=_bench_attention, command_parser=bench)
 
-    from .config import PRESETS
+    from .model.config import PRESETS
 
     flops = commands.add_parser("flops", help="forward FLOPs of a preset by hand, by fvcore and by FlopCounterMode")
     flops.add_argument("--model", choices=list(PRESETS), default="gpt2-small", help="preset (default: gpt2-small)")
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     flops.add_argument("--json", action="store_true", help="one JSON object instead of text")
     flops.set_defaults(func=_flops, command_parser=flops)
 
-    from .loading import STRATEGIES
+    from .model.loading import STRATEGIES
 
     load = commands.add_parser("bench-load", help="peak memory and time of each weight-loading strategy")
     load.add_argument("--model", choices=list(PRESETS), default="gpt2-small",
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     serve.set_defaults(func=_bench_serve, command_parser=serve)
 
-    from .train_bench import LADDER
+    from .measure.train_bench import LADDER
 
     train = commands.add_parser("bench-train", help="the training-speed ladder (tokens/s, MFU) and transformers' GPT-2")
     train.add_argument("--model", choices=list(PRESETS),

@@ -1,6 +1,6 @@
 """Running the course's notebooks headless, and keeping their first code cell (the bootstrap) in sync.
 
-The repository address lives here, once: `python -m helpers sync-bootstrap` writes it into the
+The repository address lives in `helpers.system.repository`, once: `python -m helpers sync-bootstrap` writes it into the
 first code cell of every notebook, so a fork changes `REPOSITORY_URL` and runs that command.
 """
 
@@ -15,8 +15,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-REPOSITORY_URL = "https://github.com/gpt-from-scratch-fast/gpt-from-scratch-fast"
-ROOT = Path(__file__).resolve().parent.parent
+from .system.repository import REPOSITORY_URL, ROOT
 
 BOOTSTRAP_SOURCE = '''\
 # Setup: make `helpers` importable (in a clone, a fresh Jupyter or Colab), then print the environment.

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("Course helpers and capabilities:")
     try:
-        from helpers.env import capability_checks, environment_report
+        from helpers.system.env import capability_checks, environment_report
     except ImportError as err:
         print(f"  [FAIL] helpers: not importable ({err}): run `pip install -e .` in the repository root")
         return 1

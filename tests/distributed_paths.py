@@ -11,11 +11,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from helpers.attention import IMPLEMENTATIONS, unavailable_reason
-from helpers.config import GPTConfig
-from helpers.distributed import max_over_ranks, setup, teardown
-from helpers.model import GPT
-from helpers.pipeline import (
+from helpers.model.attention import IMPLEMENTATIONS, unavailable_reason
+from helpers.model.config import GPTConfig
+from helpers.model.gpt import GPT
+from helpers.parallel.pipeline import (
     full_name,
     gpipe_step,
     is_first_stage,
@@ -24,8 +23,9 @@ from helpers.pipeline import (
     sync_tied_gradients,
     tied_group,
 )
-from helpers.step import lm_loss
-from helpers.tensor_parallel import parallelize_gpt, shard_of, tensor_parallel_gpt
+from helpers.parallel.runtime import max_over_ranks, setup, teardown
+from helpers.parallel.tensor_parallel import parallelize_gpt, shard_of, tensor_parallel_gpt
+from helpers.training.step import lm_loss
 
 CONFIG = GPTConfig(vocab_size=61, context_length=16, d_model=48, n_heads=4, n_layers=2, dropout=0.0)
 

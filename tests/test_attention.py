@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from helpers import GPT, GPTConfig
-from helpers.attention import IMPLEMENTATIONS, CausalSelfAttention, unavailable_reason
-from helpers.attention_bench import flash_refusal, sdpa_backend_used
+from helpers.measure.attention_bench import flash_refusal, sdpa_backend_used
+from helpers.model.attention import IMPLEMENTATIONS, CausalSelfAttention, unavailable_reason
 
 NAMES = list(IMPLEMENTATIONS)
 # (batch, seq, d_in, d_model, heads): batch 1, seq 1, lengths that are neither powers of two nor
@@ -120,7 +120,7 @@ def test_bench_attention_cli_json():
 
 
 def test_tiled_and_fused_attention_peak_memory_is_a_fraction_of_eager():
-    from helpers.attention_bench import bench_attention
+    from helpers.measure.attention_bench import bench_attention
 
     rows = {r.name: r.peak_mem_bytes for r in bench_attention(1, 2048, 64, 4, mode="fwd", min_run_time=0.01,
                                                               names=["eager", "sdpa", "flash_torch"])}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import GPT, GPTConfig
-from helpers.batch_size import (
+from helpers.measure.batch_size import (
     BatchSizeError,
     CpuMemoryBudget,
     cuda_step_fits,

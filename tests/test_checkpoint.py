@@ -5,8 +5,8 @@ import hashlib
 import pytest
 import torch
 
-from helpers import checkpoint
-from helpers.checkpoint import CheckpointError, checksum_path, load_checkpoint, save_checkpoint
+from helpers.training import checkpoint
+from helpers.training.checkpoint import CheckpointError, checksum_path, load_checkpoint, save_checkpoint
 
 FORMATS = [".pt", ".safetensors"]
 

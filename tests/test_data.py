@@ -3,8 +3,8 @@ import hashlib
 import pytest
 import torch
 
-from helpers import data
-from helpers.data import DownloadError, NextTokenDataset, RemoteText, fetch
+from helpers.text import data
+from helpers.text.data import DownloadError, NextTokenDataset, RemoteText, fetch
 
 
 def test_default_corpus_is_offline_text():

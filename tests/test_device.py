@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from helpers.device import (
+from helpers.system.device import (
     REFERENCE_DEVICES,
     UnsupportedDtypeError,
     autocast_dtype,
@@ -9,7 +9,7 @@ from helpers.device import (
     detect_capabilities,
     needs_grad_scaler,
 )
-from helpers.scale import by_scale, current_scale, scale_for, smoke_requested
+from helpers.system.scale import by_scale, current_scale, scale_for, smoke_requested
 
 EXPECTED = {  # device -> (autocast dtype, needs GradScaler, scale)
     "cpu": (torch.bfloat16, False, "cpu"),

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.env import usable_sdpa_backends
-from helpers.optional import MissingOptionalPackage, require, version_of
+from helpers.system.env import usable_sdpa_backends
+from helpers.system.optional import MissingOptionalPackage, require, version_of
 
 CHECK = str(Path(__file__).resolve().parents[1] / "setup" / "check_env.py")
 

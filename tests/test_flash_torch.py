@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers.flash_torch import FlashAttentionTorch, flash_attention_torch
+from helpers.model.flash_torch import FlashAttentionTorch, flash_attention_torch
 
 
 def reference_attention(q, k, v, causal):

@@ -1,4 +1,5 @@
-"""FlashAttention-2 in Triton (`helpers.flash_triton`) against a float64 reference, on CPU through Triton's interpreter.
+"""FlashAttention-2 in Triton (`helpers.model.flash_triton`) against a float64 reference, on CPU through
+Triton's interpreter.
 
 TRITON_INTERPRET must be set before triton is first imported in a process (triton 3.9 reads it whenever
 `@triton.jit` decorates, and triton.language decorates its own helpers at import). In a pytest run another
@@ -20,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.flash_triton import _launch_config, flash_attention_triton, triton_unavailable_reason
-from helpers.optional import MissingOptionalPackage
+from helpers.model.flash_triton import _launch_config, flash_attention_triton, triton_unavailable_reason
+from helpers.system.optional import MissingOptionalPackage
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(
@@ -48,7 +49,7 @@ def case_id(case) -> str:
 
 KERNEL_SCRIPT = """
 import json, sys, torch
-from helpers.flash_triton import flash_attention_triton, triton_unavailable_reason
+from helpers.model.flash_triton import flash_attention_triton, triton_unavailable_reason
 
 def reference(q, k, v, causal):
     s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
@@ -80,7 +81,7 @@ print(json.dumps({"errors": errors, "reasons": reasons}))
 
 NO_INTERPRETER_SCRIPT = """
 import json, os, sys, torch
-import helpers.flash_triton as ft
+import helpers.model.flash_triton as ft
 lazy = "triton" not in sys.modules
 try:
     ft.flash_attention_triton(*(torch.randn(1, 1, 4, 16) for _ in range(3)))
@@ -146,7 +147,7 @@ def not_interpreted():
 
 @needs_triton
 def test_cpu_without_the_interpreter_is_refused_and_triton_is_imported_lazily(not_interpreted):
-    assert not_interpreted["lazy"], "import helpers.flash_triton must not import triton"
+    assert not_interpreted["lazy"], "import helpers.model.flash_triton must not import triton"
     assert "set TRITON_INTERPRET=1" in not_interpreted["off"]
     assert not_interpreted["raised"] == f"flash_attention_triton cannot run here: {not_interpreted['off']}"
     assert "changed after triton was imported" in not_interpreted["late"]

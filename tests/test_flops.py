@@ -12,24 +12,24 @@ import torch
 
 from helpers import GPT, GPTConfig
 from helpers.__main__ import main
-from helpers.flops import (
+from helpers.measure.flops import (
     count_with_flop_counter,
     count_with_fvcore,
-    datasheet_peak_flops,
     flop_counter_flops,
     forward_flops,
     fvcore_flops,
-    gpt_operations,
     linear_layer_flops,
+    training_step_flops,
+)
+from helpers.measure.mfu import (
+    datasheet_peak_flops,
     measure_matmul_flops,
     measure_memory_bandwidth,
     measure_throughput,
     mfu,
     peak_flops,
-    roofline,
-    time_operation,
-    training_step_flops,
 )
+from helpers.measure.roofline import gpt_operations, roofline, time_operation
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2 = ["gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl"]
@@ -261,7 +261,7 @@ def test_gpu_benchmark_script_runs_in_smoke_mode(tmp_path):
 def test_gpu_benchmark_reports_a_preset_that_does_not_fit(monkeypatch):
     import importlib.util
 
-    from helpers.batch_size import BatchSizeError
+    from helpers.measure.batch_size import BatchSizeError
 
     spec = importlib.util.spec_from_file_location("gpu_benchmark", ROOT / "ch04_flops" / "gpu_benchmark.py")
     script = importlib.util.module_from_spec(spec)

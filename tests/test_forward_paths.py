@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from helpers import GPT, GPTConfig
-from helpers.attention import IMPLEMENTATIONS, unavailable_reason
-from helpers.distributed import launch
-from helpers.kv_cache import KVCache, generate_with_cache
-from helpers.serving import Request, serve
+from helpers.inference.kv_cache import KVCache, generate_with_cache
+from helpers.inference.serving import Request, serve
+from helpers.model.attention import IMPLEMENTATIONS, unavailable_reason
+from helpers.parallel.launch import launch
 
 CONFIG = GPTConfig(vocab_size=61, context_length=16, d_model=48, n_heads=4, n_layers=2, dropout=0.0)
 FFNS = ("gelu", "swiglu")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import GPT, GPTConfig
-from helpers.kv_cache import KVCache, generate_with_cache, kv_cache_bytes_per_token
+from helpers.inference.kv_cache import KVCache, generate_with_cache, kv_cache_bytes_per_token
 
 TINY = GPTConfig(vocab_size=97, context_length=48, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
 VARIANTS = {

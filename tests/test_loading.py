@@ -10,15 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import GPT, GPTConfig, loading
-from helpers.loading import (
-    CHECKPOINT_FILES,
-    STRATEGIES,
-    StateMismatch,
-    reference_input,
-    save_tensor_files,
-    write_checkpoints,
-)
+from helpers import GPT, GPTConfig
+from helpers.measure import load_bench
+from helpers.measure.load_bench import reference_input, write_checkpoints
+from helpers.model.loading import CHECKPOINT_FILES, STRATEGIES, StateMismatch, save_tensor_files, tie_weights
 
 TINY = GPTConfig(vocab_size=97, context_length=32, d_model=48, n_heads=4, n_layers=2, dropout=0.0)
 CONFIGS = {"tied": TINY, "untied": dataclasses.replace(TINY, tie_weights=False)}
@@ -69,7 +64,7 @@ def test_assign_alone_unties_the_lm_head(checkpoints):
     model.load_state_dict(torch.load(path, mmap=True, weights_only=True), assign=True)
     assert model.lm_head.weight is not model.tok_emb.weight  # two Parameters: an optimizer would update both
     untied_count = model.num_parameters()
-    loading.tie_weights(model)
+    tie_weights(model)
     assert model.lm_head.weight is model.tok_emb.weight
     assert untied_count - model.num_parameters() == TINY.vocab_size * TINY.d_model
 
@@ -159,10 +154,10 @@ def in_this_process(function: str, timeout: float = 600, **kwargs):
 
 
 def test_bench_skips_what_does_not_fit_in_memory(tmp_path, monkeypatch):
-    monkeypatch.setattr(loading, "run_in_fresh_process", in_this_process)  # the bookkeeping, not the numbers
+    monkeypatch.setattr(load_bench, "run_in_fresh_process", in_this_process)  # the bookkeeping, not the numbers
     size = 4 * saved_model(TINY).num_parameters()
-    monkeypatch.setattr(loading, "available_memory_bytes", lambda: int(1.5 * size))
-    results = loading.bench_load(TINY, ["baseline", "mmap_assign"], directory=tmp_path, cold=True)
+    monkeypatch.setattr(load_bench, "available_memory_bytes", lambda: int(1.5 * size))
+    results = load_bench.bench_load(TINY, ["baseline", "mmap_assign"], directory=tmp_path, cold=True)
     by_name = {r.strategy: r for r in results}
     assert by_name["baseline"].status == "skipped" and "GiB of RAM" in by_name["baseline"].reason
     ok = by_name["mmap_assign"]
@@ -171,9 +166,9 @@ def test_bench_skips_what_does_not_fit_in_memory(tmp_path, monkeypatch):
 
 def test_bench_rejects_bad_arguments():
     with pytest.raises(ValueError, match="unknown strategies \\['fast'\\]; valid: baseline, map_location"):
-        loading.bench_load(TINY, ["fast"])
+        load_bench.bench_load(TINY, ["fast"])
     with pytest.raises(ValueError, match="repeats must be at least 1"):
-        loading.bench_load(TINY, repeats=0)
+        load_bench.bench_load(TINY, repeats=0)
 
 
 def test_cli_json_and_mmap_peak_below_baseline():

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import GPT, GPTConfig
-from helpers.attention import CausalSelfAttention
-from helpers.model import FeedForward, SwiGLUFeedForward, swiglu_hidden_dim
+from helpers.model.attention import CausalSelfAttention
+from helpers.model.gpt import FeedForward, SwiGLUFeedForward, swiglu_hidden_dim
 
 TINY = GPTConfig(vocab_size=97, context_length=32, d_model=48, n_heads=4, n_layers=2, dropout=0.0)
 

@@ -9,17 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.config import GPTConfig
-from helpers.distributed import (
-    DistributedRunError,
-    first_traceback,
-    launch,
-    pick_device_type,
-    ring_all_reduce_bytes,
-)
-from helpers.model import GPT
-from helpers.pipeline import bubble_fraction, pipeline_stage, stage_layers
-from helpers.tensor_parallel import shard_rows, tensor_parallel_gpt
+from helpers.model.config import GPTConfig
+from helpers.model.gpt import GPT
+from helpers.parallel.comm import ring_all_reduce_bytes
+from helpers.parallel.launch import DistributedRunError, first_traceback, launch
+from helpers.parallel.pipeline import bubble_fraction, pipeline_stage, stage_layers
+from helpers.parallel.runtime import pick_device_type
+from helpers.parallel.tensor_parallel import shard_rows, tensor_parallel_gpt
 
 CH07 = Path(__file__).resolve().parents[1] / "ch07_parallel"
 TINY = ["--layers", "2", "--d-model", "64", "--heads", "4", "--vocab", "256", "--context", "32"]
@@ -200,7 +196,7 @@ def test_launch_kills_a_hanging_run_and_shows_where_each_rank_waits(tmp_path):
     worker in time: then the run is tried again with twice the timeout. Every attempt must kill every worker."""
     script = tmp_path / "hangs.py"
     script.write_text("import os, pathlib, time\nimport torch, torch.distributed as dist\n"
-                      "from helpers.distributed import setup\n"
+                      "from helpers.parallel.runtime import setup\n"
                       "runtime = setup('cpu', timeout_s=600)\n"
                       f"pathlib.Path({str(tmp_path)!r}, 'pid' + os.environ['RANK']).write_text(str(os.getpid()))\n"
                       "if runtime.rank == 0:\n    dist.recv(torch.zeros(1), 1)\n"

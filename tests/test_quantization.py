@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from helpers import GPT, GPTConfig
-from helpers.optional import ExpectedLibraryLogs, version_of
-from helpers.quantization import (
+from helpers.inference.quantization import (
     Int8Embedding,
     Int8Linear,
     dequantize_per_channel,
@@ -21,6 +20,7 @@ from helpers.quantization import (
     tie_int8_embedding,
     torchao_quantize,
 )
+from helpers.system.optional import ExpectedLibraryLogs, version_of
 
 TINY = GPTConfig(vocab_size=211, context_length=32, d_model=64, n_heads=4, n_layers=2, dropout=0.0)
 needs_torchao = pytest.mark.skipif(version_of("torchao") is None,
@@ -227,7 +227,7 @@ def test_torchao_gpt_matches_ours_and_unties_the_head():
 
 @needs_torchao
 @pytest.mark.parametrize("code", [
-    "from helpers.quantization import import_torchao; import_torchao()",
+    "from helpers.inference.quantization import import_torchao; import_torchao()",
     "import helpers, torchao",  # as transformers imports it when it saves or loads a model
 ])
 def test_torchao_imports_without_the_expected_log_lines(code):

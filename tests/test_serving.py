@@ -13,10 +13,10 @@ import torch
 
 from helpers import GPT, GPTConfig
 from helpers.__main__ import main
+from helpers.inference.paged_kv import BlockAllocator, OutOfBlocks, PagedKVCache, attend, attend_decode
+from helpers.inference.serving import Engine, Request, contiguous_layout, serve
+from helpers.measure.serving_bench import mixed_workload, reference_tokens
 from helpers.notebooks import ROOT
-from helpers.paged_kv import BlockAllocator, OutOfBlocks, PagedKVCache, attend, attend_decode
-from helpers.serving import Engine, Request, contiguous_layout, serve
-from helpers.serving_bench import mixed_workload, reference_tokens
 
 CONFIG = GPTConfig(vocab_size=97, context_length=48, d_model=32, n_heads=2, n_layers=2, dropout=0.0)
 

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers.config import GPTConfig
-from helpers.model import GPT
-from helpers.step import IGNORE_INDEX, TrainingStep, lm_loss, token_loss_sum
+from helpers.model.config import GPTConfig
+from helpers.model.gpt import GPT
+from helpers.training.step import IGNORE_INDEX, TrainingStep, lm_loss, token_loss_sum
 
 TINY = GPTConfig(vocab_size=37, context_length=12, d_model=16, n_heads=2, n_layers=1, dropout=0.0)
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import tiktoken_ext.openai_public
 
-from helpers.tokenizer import GPT2_FILE_SHA256, get_tokenizer
+from helpers.text.tokenizer import GPT2_FILE_SHA256, get_tokenizer
 
 TEXT = "Hello, do you like tea? <|endoftext|> In the sunlit terraces"
 IDS = [15496, 11, 466, 345, 588, 8887, 30, 220, 50256, 554, 262, 4252, 18250, 8812, 2114]

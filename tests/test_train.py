@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.checkpoint import CheckpointError, checksum_path
-from helpers.config import GPTConfig
-from helpers.device import REFERENCE_DEVICES, UnsupportedDtypeError
-from helpers.lr_schedule import learning_rate
-from helpers.model import GPT
-from helpers.step import IGNORE_INDEX, accumulate_gradients
-from helpers.train import ShuffledBatches, TrainConfig, Trainer, resolve_precision
+from helpers.model.config import GPTConfig
+from helpers.model.gpt import GPT
+from helpers.system.device import REFERENCE_DEVICES, UnsupportedDtypeError
+from helpers.training.checkpoint import CheckpointError, checksum_path
+from helpers.training.lr_schedule import learning_rate
+from helpers.training.step import IGNORE_INDEX, accumulate_gradients
+from helpers.training.trainer import ShuffledBatches, TrainConfig, Trainer, resolve_precision
 
 TINY = GPTConfig(vocab_size=97, context_length=16, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
 
@@ -237,7 +237,7 @@ def test_gradient_clipping_bounds_the_update(tmp_path):
 
 
 def test_sampling_does_not_change_training(tmp_path):
-    from helpers.tokenizer import get_tokenizer
+    from helpers.text.tokenizer import get_tokenizer
 
     plain = make_trainer(tmp_path / "p")
     plain.fit(progress=False)
@@ -283,12 +283,12 @@ def test_bad_config_is_refused():
 def test_peak_memory_follows_the_micro_batch_not_the_effective_batch():
     from dataclasses import asdict
 
-    from helpers.memory import run_in_fresh_process
+    from helpers.measure.memory import run_in_fresh_process
 
     config = asdict(GPTConfig(vocab_size=4096, context_length=64, d_model=128, n_heads=4, n_layers=2))
 
     def peak(micro, accum):
-        return run_in_fresh_process("helpers.train:accumulation_peak_in_fresh_process", config=config,
+        return run_in_fresh_process("helpers.measure.batch_size:accumulation_peak_in_fresh_process", config=config,
                                     micro_batch=micro, accum_steps=accum, seq=64)
 
     one_batch, accumulated = peak(32, 1), peak(2, 16)  # the same 32 sequences per optimizer step

@@ -14,20 +14,19 @@ import torch.nn.functional as F
 
 from helpers import GPT, GPTConfig
 from helpers.__main__ import main
-from helpers.device import REFERENCE_DEVICES, detect_capabilities
-from helpers.flops import training_step_flops
-from helpers.train_bench import (
+from helpers.measure.flops import training_step_flops
+from helpers.measure.peer import peer_logits, transformers_peer
+from helpers.measure.train_bench import (
     LADDER,
     StepSettings,
     bench_train,
     ladder_step,
     make_batches,
     padded_vocab_model,
-    peer_logits,
     plan_ladder,
-    transformers_peer,
 )
-from helpers.weights import hf_names, is_conv1d
+from helpers.model.hf_gpt2 import hf_names, is_conv1d
+from helpers.system.device import REFERENCE_DEVICES, detect_capabilities
 
 # A vocabulary that is not a multiple of 64, so the padding rung applies (97 -> 128).
 TINY = GPTConfig(vocab_size=97, context_length=32, d_model=32, n_heads=4, n_layers=2, dropout=0.0)

@@ -8,8 +8,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from helpers import GPT, GPTConfig, weights
-from helpers.weights import (
+from helpers import GPT, GPTConfig
+from helpers.model import hf_gpt2 as weights
+from helpers.model.hf_gpt2 import (
     WeightsError,
     WeightsUnavailable,
     config_from_hf,

@@ -1,0 +1,1 @@
+"""Inference: the KV cache, int8 quantization, the paged KV cache and the serving engine."""

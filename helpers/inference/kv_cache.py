@@ -1,0 +1,135 @@
+"""Generation with a KV cache: keep every layer's keys and values, so each new token costs one position.
+
+Without a cache, `GPT.generate` runs the whole sequence through the model for every new token, although
+the keys and values of the earlier positions do not change (attention is causal: position i only sees
+positions <= i). With a cache, a *prefill* pass computes and stores them for the prompt, then each
+*decode* step feeds only the newest token, appends its key and value, and attends over the stored ones.
+
+The cache is an object the model's attention layers read and write: `model(idx, cache=cache)` runs the GPT's own
+forward pass on the new tokens, with the model's attention implementation (one that takes an explicit mask:
+eager, sdpa, sdpa_mask) and any module swapped into it (a quantized Linear, for instance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..model.config import GPTConfig
+from ..model.decoding import cached_positions, check_decoding, check_prompt, sample_next_token
+from ..model.gpt import GPT
+
+
+def kv_cache_bytes_per_token(config: GPTConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one token adds to the cache: a key and a value of d_model numbers in each layer."""
+    return 2 * config.n_layers * config.d_model * torch.empty((), dtype=dtype).element_size()
+
+
+class KVCache:
+    """Pre-allocated keys and values for `max_len` positions, one (batch, heads, max_len, head_dim) pair per layer.
+
+    Allocating once and writing in place avoids re-copying the whole cache at every step, as `torch.cat` would.
+    `length` counts the positions filled so far; the prompts of a batch have equal lengths.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        batch: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"batch and max_len must be at least 1, got batch={batch}, max_len={max_len}")
+        if max_len > config.context_length:
+            raise ValueError(
+                f"max_len {max_len} exceeds the context length {config.context_length}: the position "
+                "embeddings stop there"
+            )
+        shape = (batch, config.n_heads, max_len, config.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.batch, self.max_len, self.length = batch, max_len, 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache tensors (allocated for max_len positions, filled or not)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def positions(self, seq: int, device: torch.device) -> torch.Tensor:
+        if self.length + seq > self.max_len:
+            raise ValueError(f"the cache has room for {self.max_len} positions; {self.length} are used, {seq} more "
+                             "do not fit")
+        return torch.arange(self.length, self.length + seq, device=device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Write the new positions' keys and values of `layer`, then attend over positions 0 .. length + new - 1.
+
+        Query i (absolute position length + i) may see keys 0 .. length + i: every stored key when there is one new
+        token, the usual causal mask when the cache was empty (so SDPA may pick its fastest kernel), else an offset
+        mask.
+        """
+        if q.size(0) != self.batch:
+            raise ValueError(f"the cache holds {self.batch} sequences but the input has {q.size(0)}")
+        start, seq = self.length, k.size(2)
+        end = start + seq
+        self.keys[layer][:, :, start:end] = k
+        self.values[layer][:, :, start:end] = v
+        keys, values = self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        if seq == 1:
+            return kernel(q, keys, values, is_causal=False)
+        if start == 0:
+            return kernel(q, keys, values, is_causal=True)
+        allowed = torch.ones(seq, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        return kernel(q, keys, values, attn_mask=allowed, is_causal=False)
+
+    def advance(self, seq: int) -> None:
+        self.length += seq
+
+
+@torch.no_grad()
+def generate_with_cache(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """`GPT.generate` with a KV cache: prefill the prompts (batch, seq) of equal length, then one token per step.
+
+    Returns the prompts with `max_new_tokens` tokens appended, the same tokens `GPT.generate` picks
+    (up to floating-point ties: a one-token step and a whole-sequence forward round differently).
+    """
+    check_prompt(idx, model.config.vocab_size)
+    check_decoding(max_new_tokens, temperature, top_k, model.config.vocab_size)
+    ctx, cached = model.config.context_length, cached_positions(idx.size(1), max_new_tokens)
+    if idx.size(1) > ctx:
+        raise ValueError(f"the prompt has {idx.size(1)} tokens but the context length is {ctx}; shorten it (e.g. "
+                         f"keep its last {ctx - max_new_tokens + 1} tokens to generate {max_new_tokens})")
+    if cached > ctx:
+        raise ValueError(
+            f"a prompt of {idx.size(1)} tokens plus {max_new_tokens} new tokens needs {cached} cached positions "
+            f"(the last new token is never fed back) but the context length is {ctx}. A KV cache cannot slide like "
+            "GPT.generate's window: the positions of every kept token would change, so all their keys and values "
+            f"would have to be recomputed. Set max_new_tokens to {ctx - idx.size(1) + 1} or less, shorten the "
+            "prompt, or use GPT.generate (no cache, sliding window)"
+        )
+    was_training = model.training
+    model.eval()
+    try:
+        dtype = model.pos_emb.weight.dtype  # the activations' dtype (quantization leaves this embedding alone)
+        cache = KVCache(model.config, idx.size(0), cached, dtype, idx.device)
+        last = torch.tensor([-1], device=idx.device)
+        logits = model(idx, cache=cache, logits_at=last)[:, -1]  # prefill
+        tokens = [idx]
+        for step in range(max_new_tokens):
+            tokens.append(sample_next_token(logits, temperature, top_k, generator))
+            if step < max_new_tokens - 1:  # the last token is returned, never fed back
+                logits = model(tokens[-1], cache=cache)[:, -1]  # decode
+    finally:
+        model.train(was_training)
+    return torch.cat(tokens, dim=1)

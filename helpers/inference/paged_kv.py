@@ -1,0 +1,228 @@
+"""PagedAttention's memory layer (Kwon et al. 2023, the paper behind vLLM): the KV cache lives in fixed-size
+blocks, each sequence has a block table (its blocks in order), and a free list hands blocks out and takes them
+back. A sequence holds ceil(tokens / block_size) blocks, so at most one partly filled block per sequence is
+wasted, and a finished sequence's blocks are reused at once by any other sequence.
+
+Attention reads keys and values through the block table; the attention math itself is unchanged (scores are
+scaled by 1/sqrt(head_dim), never by the block size). `gather` copies a sequence's blocks into one tensor, the
+readable version of what a fused paged-attention kernel does in place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+
+import torch
+
+from ..model.attention import sdpa_attention
+
+
+class OutOfBlocks(RuntimeError):
+    """No free block: a scheduler makes the request wait, or preempts another one."""
+
+
+class BlockAllocator:
+    """Block ids 0..num_blocks-1 on a free list. Allocation is all-or-nothing, and a double free is an error,
+    so `num_free + num_used == num_blocks` always holds."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids are handed out first
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` free block ids, or OutOfBlocks (allocating none) when fewer than `n` are free."""
+        if n > len(self._free):
+            raise OutOfBlocks(f"{n} blocks requested but only {len(self._free)} of {self.num_blocks} are free")
+        blocks = [self._free.pop() for _ in range(n)]
+        self._used.update(blocks)
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        """Return blocks to the free list; all are checked first, so a bad list frees nothing."""
+        bad = [b for b in blocks if b not in self._used]
+        if bad or len(set(blocks)) != len(blocks):
+            raise ValueError(f"cannot free blocks {blocks}: {bad or 'duplicates'} not allocated (a double free?)")
+        self._used.difference_update(blocks)
+        self._free.extend(reversed(blocks))
+
+
+class PagedKVCache:
+    """Keys and values of every layer in `num_blocks` blocks of `block_size` token slots each.
+
+    Storage is (n_layers, num_blocks, block_size, n_heads, head_dim) for keys and the same for values. Token
+    `p` of a sequence lives in slot `p % block_size` of block `block_table[p // block_size]`.
+    """
+
+    def __init__(self, n_layers: int, n_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_size = block_size
+        shape = (n_layers, num_blocks, block_size, n_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_tables: dict[Hashable, list[int]] = {}
+        self._tables: dict[Hashable, torch.Tensor] = {}  # the same tables as tensors, for indexing
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def allocated_slots(self) -> int:
+        """Token slots in blocks that some sequence holds (used or not)."""
+        return self.allocator.num_used * self.block_size
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of keys and values one token takes across all layers."""
+        return 2 * self.k[:, 0, 0].numel() * self.k.element_size()
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return math.ceil(n_tokens / self.block_size)
+
+    def blocks_missing(self, seq_id: Hashable, n_tokens: int) -> int:
+        """Blocks `seq_id` still needs to hold `n_tokens` tokens."""
+        return max(0, self.blocks_for(n_tokens) - len(self.block_tables.get(seq_id, ())))
+
+    def can_hold(self, seq_id: Hashable, n_tokens: int) -> bool:
+        return self.blocks_missing(seq_id, n_tokens) <= self.allocator.num_free
+
+    def reserve(self, seq_id: Hashable, n_tokens: int) -> None:
+        """Grow `seq_id`'s block table (creating it if new) to hold `n_tokens` tokens; OutOfBlocks if it can't."""
+        new = self.allocator.allocate(self.blocks_missing(seq_id, n_tokens))
+        table = self.block_tables.setdefault(seq_id, [])
+        if new or seq_id not in self._tables:
+            table.extend(new)
+            self._tables[seq_id] = torch.tensor(table, dtype=torch.long, device=self.k.device)
+
+    def release(self, seq_id: Hashable) -> None:
+        """Free every block of `seq_id`: they go straight back on the free list for other sequences."""
+        self.allocator.free(self.block_tables.pop(seq_id))
+        del self._tables[seq_id]
+
+    def slots(self, seq_id: Hashable, start: int, end: int) -> torch.Tensor:
+        """Flat slot indices (block * block_size + offset) of positions start..end-1 of `seq_id`."""
+        if end > len(self.block_tables[seq_id]) * self.block_size:
+            raise ValueError(f"positions up to {end} of sequence {seq_id!r} are beyond its reserved blocks")
+        pos = torch.arange(start, end, device=self.k.device)
+        return self._tables[seq_id][pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def padded_slots(self, seq_ids: list[Hashable], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots of positions 0..length-1 of several sequences, padded to the longest: (slots, valid), both of
+        shape (sequences, max length); padding points at slot 0 and is False in `valid`."""
+        device, width = self.k.device, self.blocks_for(max(lengths))
+        pos = torch.arange(max(lengths), device=device)
+        valid = pos < torch.tensor(lengths, device=device)[:, None]
+        rows = [self.block_tables[s][: self.blocks_for(n)] for s, n in zip(seq_ids, lengths, strict=True)]
+        tables = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
+        slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        return slots.masked_fill(~valid, 0), valid
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v of shape (tokens, n_heads, head_dim) into the given flat slots of one layer."""
+        self.k[layer].view(-1, *k.shape[1:])[slots] = k
+        self.v[layer].view(-1, *v.shape[1:])[slots] = v
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one layer at the given flat slots: shape slots.shape + (n_heads, head_dim)."""
+        return self.k[layer].flatten(0, 1)[slots], self.v[layer].flatten(0, 1)[slots]
+
+    def gather(self, layer: int, seq_id: Hashable, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` keys and values of `seq_id` at one layer, read through its block table, as
+        (n_heads, length, head_dim) tensors."""
+        k, v = self.read(layer, self.slots(seq_id, 0, length))
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+           kernel: Callable[..., torch.Tensor] = sdpa_attention) -> torch.Tensor:
+    """Causal attention of new queries over a sequence's cached keys: q (heads, n, head_dim) holds positions
+    start..start+n-1, k and v (heads, start+n, head_dim) hold positions 0..start+n-1. Query i sees keys 0..start+i.
+
+    The same softmax(q k^T / sqrt(head_dim)) v as any attention: where k and v came from does not enter the math.
+    `kernel` is a masked attention kernel of `helpers.model.attention` (the model's own, in `PagedBatch`).
+    """
+    q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    n = q.size(2)
+    if n == 1:  # one new token (decoding) sees every cached key
+        return kernel(q, k, v, is_causal=False)[0]
+    if start == 0:  # a whole prompt: the usual causal mask
+        return kernel(q, k, v, is_causal=True)[0]
+    allowed = torch.arange(k.size(2), device=q.device) <= torch.arange(start, start + n, device=q.device)[:, None]
+    return kernel(q, k, v, attn_mask=allowed, is_causal=False)[0]
+
+
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                  kernel: Callable[..., torch.Tensor] = sdpa_attention) -> torch.Tensor:
+    """One new token per sequence, batched: q (batch, heads, 1, head_dim) attends over k, v (batch, heads, L,
+    head_dim) where `valid` (batch, L) is False at the padding of sequences shorter than L."""
+    return kernel(q, k, v, attn_mask=valid[:, None, None, :], is_causal=False)
+
+
+class PagedBatch:
+    """One iteration of the serving engine as the model sees it: a ragged batch of chunks, one per sequence (a whole
+    or partial prompt, or the newest token while decoding), concatenated into a single row of tokens.
+
+    `rows` lists (sequence id, first position, tokens) per chunk, one-token chunks first. The model runs its Linear
+    layers, LayerNorms and MLP on all tokens at once; its attention layers call `attend`, which stores each chunk's
+    keys and values in the sequence's blocks and attends over the sequence's cache: the one-token rows in one batched
+    call over their keys padded to the longest, longer chunks one by one.
+    """
+
+    def __init__(self, cache: PagedKVCache, rows: list[tuple[Hashable, int, int]]) -> None:
+        lengths = [n for _, _, n in rows]
+        if lengths != sorted(lengths, key=lambda n: n > 1):
+            raise ValueError("put the one-token rows of a PagedBatch first (their attention is one batched call)")
+        device = cache.k.device
+        self.cache = cache
+        self.tokens = sum(n for _, _, n in rows)
+        self.pos = torch.cat([torch.arange(start, start + n, device=device) for _, start, n in rows])
+        self.slots = torch.cat([cache.slots(seq_id, start, start + n) for seq_id, start, n in rows])
+        ends = torch.tensor([n for _, _, n in rows], device=device).cumsum(0)
+        self.last = ends - 1  # each chunk's last token: where its next-token logits come from
+        self.decoding = sum(n == 1 for _, _, n in rows)
+        if self.decoding:
+            decode = rows[: self.decoding]
+            self.decode_slots, self.decode_valid = cache.padded_slots([s for s, _, _ in decode],
+                                                                      [start + 1 for _, start, _ in decode])
+        self.chunks = [(int(end - n), start, n, cache.slots(seq_id, 0, start + n))
+                       for (seq_id, start, n), end in zip(rows, ends.tolist(), strict=True) if n > 1]
+
+    def positions(self, seq: int, device: torch.device) -> torch.Tensor:
+        if seq != self.tokens:
+            raise ValueError(f"this PagedBatch holds {self.tokens} tokens, the input has {seq}")
+        return self.pos
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """q, k, v: (1, heads, tokens, head_dim), the tokens of every chunk in a row."""
+        cache = self.cache
+        cache.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        q = q[0].transpose(0, 1)  # (tokens, heads, head_dim)
+        parts = []  # attention output (tokens, heads, head_dim), in row order
+        if self.decoding:
+            k_seq, v_seq = (t.transpose(1, 2) for t in cache.read(layer, self.decode_slots))
+            parts.append(attend_decode(q[: self.decoding].unsqueeze(2), k_seq, v_seq, self.decode_valid,
+                                       kernel).squeeze(2))
+        for a, start, n, seq_slots in self.chunks:
+            k_seq, v_seq = (t.transpose(0, 1) for t in cache.read(layer, seq_slots))
+            parts.append(attend(q[a : a + n].transpose(0, 1), k_seq, v_seq, start, kernel).transpose(0, 1))
+        y = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return y.transpose(0, 1).unsqueeze(0)
+
+    def advance(self, seq: int) -> None:
+        """The engine tracks each sequence's progress itself (`num_computed`)."""

@@ -1,0 +1,362 @@
+"""A small LLM inference engine: a paged KV cache, a ragged batched forward pass and two schedulers.
+
+Every iteration the scheduler picks a chunk of tokens per sequence (a whole or partial prompt, or the one
+newest token while decoding), the engine runs them through the GPT as one ragged batch, and each sequence
+whose tokens are all in the cache gets its next token (greedy). Linear layers see every sequence's tokens
+concatenated; attention reads each sequence's keys and values through its block table (the one-token rows of
+decoding sequences in one batched call, prompt chunks one by one).
+
+* `scheduling="continuous"` — iteration-level scheduling (Orca, Yu et al. 2022; vLLM, Kwon et al. 2023):
+  a finished sequence leaves the batch and frees its blocks at once, and waiting requests join in the same
+  iteration. Blocks are taken as sequences grow; when none is free, the newest running sequence is preempted
+  (its blocks freed, its tokens recomputed when it is scheduled again).
+* `scheduling="static"` — the baseline: a batch of up to `max_batch` requests reserves its full length up
+  front and runs until its longest request is done; finished rows keep computing (padding), as rows of a
+  padded batch tensor do, and the next batch starts only then.
+
+With `block_size=context_length` and `num_blocks=max_batch` (see `contiguous_layout`) the cache is the usual
+contiguous one: a max-length row per sequence.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.decoding import cached_positions, check_decoding
+from ..model.gpt import GPT
+from .paged_kv import PagedBatch, PagedKVCache
+
+SCHEDULINGS = ("continuous", "static")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A prompt (token ids) to complete with up to `max_tokens` greedy tokens, stopping early at `eos_id`."""
+
+    request_id: Hashable
+    prompt: tuple[int, ...]
+    max_tokens: int
+    eos_id: int | None = None
+
+
+@dataclass
+class Completion:
+    """What a request produced; times are seconds since the request was submitted."""
+
+    request_id: Hashable
+    prompt_len: int
+    tokens: list[int]
+    finish_reason: str  # "eos" or "length"
+    first_token_s: float
+    latency_s: float
+    preemptions: int
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    """One engine iteration. KV slots count tokens: `used` hold a live sequence's keys and values, `allocated`
+    are all slots in blocks held by sequences (used, reserved for later tokens, or dead padding rows)."""
+
+    end_s: float  # since the first iteration started
+    batch: tuple[tuple[Hashable, int, str], ...]  # (request id, tokens, "prefill" | "decode" | "padding") per row
+    used_slots: int
+    allocated_slots: int
+    waiting: int
+    preempted: int  # sequences preempted in this iteration
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n, _ in self.batch)
+
+    @property
+    def padding_rows(self) -> int:
+        """Finished rows of a static batch, computed and thrown away."""
+        return sum(kind == "padding" for _, _, kind in self.batch)
+
+
+@dataclass
+class ServingRun:
+    """Completions (in submission order) and per-iteration statistics of one `Engine.run`."""
+
+    completions: list[Completion]
+    iterations: list[IterationStats]
+    wall_s: float
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.completions)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens (prompts not counted) per second of wall time."""
+        return self.generated_tokens / self.wall_s
+
+    @property
+    def kv_utilization(self) -> float:
+        """Used / allocated KV slots, summed over iterations (so weighted by how long memory is held)."""
+        return sum(i.used_slots for i in self.iterations) / sum(i.allocated_slots for i in self.iterations)
+
+    @property
+    def preemptions(self) -> int:
+        return sum(c.preemptions for c in self.completions)
+
+    def latency_percentiles(self, percentiles: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
+        """Request latency (submission to last token) percentiles in seconds, e.g. {"p50": ..., "p90": ...}."""
+        latencies = torch.tensor([c.latency_s for c in self.completions], dtype=torch.float64)
+        return {f"p{p}": torch.quantile(latencies, p / 100).item() for p in percentiles}
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    submitted: float
+    tokens: list[int]  # prompt + generated so far
+    num_computed: int = 0  # leading tokens whose keys and values are in the cache
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token: float | None = None
+    preemptions: int = 0
+
+
+def contiguous_layout(context_length: int, max_batch: int) -> dict[str, int]:
+    """Engine arguments for a contiguous max-length cache: one block of `context_length` slots per sequence."""
+    return {"block_size": context_length, "num_blocks": max_batch}
+
+
+class Engine:
+    """Serve `Request`s with `model` (a `helpers.GPT`, weights untouched): `submit` queues, `step` runs one
+    iteration, `run` steps until every submitted request is complete.
+
+    `num_blocks` defaults to enough blocks for `max_batch` sequences of the full context length.
+    `max_step_tokens` (default: the context length) caps the tokens of one iteration; longer prompts are
+    prefilled in chunks over several iterations. Outputs match `model.generate` greedy per request (exactly
+    in float64; in float32 the batched kernels round differently from single-sequence ones).
+    """
+
+    def __init__(self, model: GPT, *, max_batch: int, block_size: int = 16, num_blocks: int | None = None,
+                 scheduling: str = "continuous", max_step_tokens: int | None = None) -> None:
+        if scheduling not in SCHEDULINGS:
+            raise ValueError(f"unknown scheduling {scheduling!r}; valid: {', '.join(SCHEDULINGS)}")
+        ctx = model.config.context_length
+        for name, value in (("max_batch", max_batch), ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        num_blocks = max_batch * math.ceil(ctx / block_size) if num_blocks is None else num_blocks
+        self.max_step_tokens = ctx if max_step_tokens is None else max_step_tokens
+        if not isinstance(self.max_step_tokens, int) or self.max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be a positive integer, got {max_step_tokens!r}")
+        self.model, self.max_batch, self.scheduling = model, max_batch, scheduling
+        param = next(model.parameters())
+        self.cache = PagedKVCache(model.config.n_layers, model.config.n_heads, model.config.head_dim, num_blocks,
+                                  block_size, dtype=param.dtype, device=param.device)
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []  # in admission order: the last one is the newest
+        self._pending: dict[Hashable, _Sequence] = {}  # submitted and not yet returned by `run`
+        self._finished: dict[Hashable, Completion] = {}
+        self._start: float | None = None
+        self._iterations: list[IterationStats] = []
+
+    # ---- requests in ----
+
+    def submit(self, request: Request) -> None:
+        """Queue a request. A request that could never be served raises ValueError here, with what to change;
+        one that merely does not fit next to the others waits."""
+        cfg, rid = self.model.config, request.request_id
+        prompt = list(request.prompt)
+        if rid in self._pending:
+            raise ValueError(f"request id {rid!r} is already queued or running; use unique ids")
+        if not prompt:
+            raise ValueError(f"request {rid!r}: the prompt is empty; give at least one token")
+        if not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in prompt):
+            raise ValueError(f"request {rid!r}: prompt token ids must be integers in [0, {cfg.vocab_size})")
+        if request.eos_id is not None and not 0 <= request.eos_id < cfg.vocab_size:
+            raise ValueError(f"request {rid!r}: eos_id {request.eos_id} is outside [0, {cfg.vocab_size})")
+        try:
+            check_decoding(request.max_tokens, 0.0, None, cfg.vocab_size)
+        except ValueError as err:
+            raise ValueError(f"request {rid!r}: {err}".replace("max_new_tokens", "max_tokens")) from None
+        if len(prompt) > cfg.context_length:
+            raise ValueError(f"request {rid!r}: the prompt has {len(prompt)} tokens but the context length is "
+                             f"{cfg.context_length}; shorten it (e.g. keep its last {cfg.context_length} tokens)")
+        cached = cached_positions(len(prompt), request.max_tokens)
+        if cached > cfg.context_length:
+            raise ValueError(f"request {rid!r}: a {len(prompt)}-token prompt plus {request.max_tokens} new tokens "
+                             f"needs {cached} positions but the context length is {cfg.context_length}; "
+                             f"set max_tokens to {cfg.context_length - len(prompt) + 1} or less")
+        if self.cache.blocks_for(cached) > self.cache.num_blocks:
+            raise ValueError(f"request {rid!r} needs {self.cache.blocks_for(cached)} blocks of "
+                             f"{self.cache.block_size} tokens but the cache has only {self.cache.num_blocks}; "
+                             "give the engine more num_blocks or lower max_tokens")
+        seq = _Sequence(request, time.perf_counter(), tokens=prompt)
+        self._pending[rid] = seq
+        self.waiting.append(seq)
+
+    # ---- scheduling ----
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Free a running sequence's blocks and queue it first; its tokens are recomputed when it resumes."""
+        self.running.remove(seq)
+        self.cache.release(seq.request.request_id)
+        seq.num_computed, seq.preemptions = 0, seq.preemptions + 1
+        self.waiting.appendleft(seq)
+
+    def _schedule_continuous(self) -> tuple[list[tuple[_Sequence, int, int]], int]:
+        """Running sequences first (oldest first), then new ones while slots, tokens and blocks last."""
+        plan, budget, preempted = [], self.max_step_tokens, 0
+        for seq in list(self.running):
+            if seq not in self.running or budget == 0:
+                continue
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            rid = seq.request.request_id
+            while not self.cache.can_hold(rid, seq.num_computed + n):  # out of blocks: preempt the newest
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+            if seq in self.running:
+                self.cache.reserve(rid, seq.num_computed + n)
+                plan.append((seq, seq.num_computed, n))
+                budget -= n
+        # new sequences join while there are slots, tokens and blocks; not in an iteration that had to preempt
+        while self.waiting and len(self.running) < self.max_batch and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            n = min(len(seq.tokens), budget)
+            if not self.cache.can_hold(seq.request.request_id, n):
+                break  # wait for blocks to be freed
+            self._admit(seq, n)
+            plan.append((seq, 0, n))
+            budget -= n
+        return plan, preempted
+
+    def _schedule_static(self) -> tuple[list[tuple[_Sequence, int, int]], int]:
+        """A new batch only when the last one is done; each reserves its full length; finished rows pad.
+
+        Unfinished rows take the token budget first: a padding row only spends what is left, so a small
+        `max_step_tokens` slows the batch down but cannot starve it."""
+        if not self.running:
+            while self.waiting and len(self.running) < self.max_batch:
+                seq = self.waiting[0]
+                full = cached_positions(len(seq.tokens), seq.request.max_tokens)
+                if not self.cache.can_hold(seq.request.request_id, full):
+                    break
+                self._admit(seq, full)
+        plan, budget = [], self.max_step_tokens
+        for seq in self.running:
+            if seq.finish_reason is None and budget > 0:
+                n = min(len(seq.tokens) - seq.num_computed, budget)
+                plan.append((seq, seq.num_computed, n))
+                budget -= n
+        for seq in self.running:
+            if seq.finish_reason is not None and budget > 0:  # padding: recompute its last cached token
+                plan.append((seq, seq.num_computed - 1, 1))
+                budget -= 1
+        return plan, 0
+
+    def _admit(self, seq: _Sequence, reserve_tokens: int) -> None:
+        self.waiting.popleft()
+        self.cache.reserve(seq.request.request_id, reserve_tokens)
+        self.running.append(seq)
+
+    # ---- the forward pass ----
+
+    def _forward(self, plan: list[tuple[_Sequence, int, int]]) -> torch.Tensor:
+        """Logits (len(plan), vocab) after the last token of each planned chunk: the model's own forward pass over
+        the ragged batch of chunks, its attention reading and writing the paged cache (`PagedBatch`)."""
+        batch = PagedBatch(self.cache, [(seq.request.request_id, start, n) for seq, start, n in plan])
+        ids = torch.tensor([t for seq, start, n in plan for t in seq.tokens[start : start + n]],
+                           device=self.cache.k.device)
+        return self.model(ids.unsqueeze(0), cache=batch, logits_at=batch.last)[0]
+
+    # ---- one iteration ----
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @staticmethod
+    def _kind(seq: _Sequence, start: int) -> str:
+        if seq.finish_reason is not None:
+            return "padding"
+        decode = start == len(seq.tokens) - 1 and start >= len(seq.request.prompt)  # feeds its newest token
+        return "decode" if decode else "prefill"  # prefill: prompt tokens, or tokens recomputed after preemption
+
+    @torch.inference_mode()
+    def step(self) -> list[Completion]:
+        """Schedule, run one forward pass, append a token to each sequence whose chunk reached its end.
+        Returns the requests that completed in this iteration."""
+        if self._start is None:
+            self._start = time.perf_counter()
+        schedule = self._schedule_continuous if self.scheduling == "continuous" else self._schedule_static
+        plan, preempted = schedule()
+        plan.sort(key=lambda row: row[2] > 1)  # one-token rows first: their attention is one batched call
+        if not plan:
+            raise RuntimeError("no sequence could be scheduled" if self.has_work else "nothing to run: submit first")
+        if all(seq.finish_reason is not None for seq, _, _ in plan):  # only padding: no sequence would advance
+            raise RuntimeError(f"the {self.scheduling} scheduler planned an iteration in which no sequence advances "
+                               f"(max_step_tokens={self.max_step_tokens}, max_batch={self.max_batch}); this is a bug "
+                               "in the engine: please report it with these settings")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            logits = self._forward(plan)
+        finally:
+            self.model.train(was_training)
+        next_ids = logits.float().argmax(dim=-1).tolist()  # greedy over float32 logits, as GPT.generate
+        now = time.perf_counter()
+        batch = tuple((seq.request.request_id, n, self._kind(seq, start)) for seq, start, n in plan)
+        live = [s for s in self.running if s.finish_reason is None]  # their caches were in use in this iteration
+        for (seq, start, n), token in zip(plan, next_ids, strict=True):
+            if seq.finish_reason is not None:
+                continue  # a padding row
+            seq.num_computed = start + n
+            if seq.num_computed < len(seq.tokens):
+                continue  # a prompt chunk that is not the last one
+            seq.tokens.append(token)
+            seq.generated.append(token)
+            seq.first_token = now if seq.first_token is None else seq.first_token
+            if token == seq.request.eos_id:
+                seq.finish_reason = "eos"
+            elif len(seq.generated) == seq.request.max_tokens:
+                seq.finish_reason = "length"
+        self._iterations.append(IterationStats(
+            end_s=now - self._start, batch=batch, used_slots=sum(s.num_computed for s in live),
+            allocated_slots=self.cache.allocated_slots, waiting=len(self.waiting), preempted=preempted))
+        done = [s for s in self.running if s.finish_reason is not None]
+        if self.scheduling == "static" and len(done) < len(self.running):
+            done = []  # the batch is held until its longest request is done
+        completions = []
+        for seq in done:
+            self.running.remove(seq)
+            self.cache.release(seq.request.request_id)
+            completions.append(Completion(seq.request.request_id, len(seq.request.prompt), seq.generated,
+                                          seq.finish_reason, seq.first_token - seq.submitted, now - seq.submitted,
+                                          seq.preemptions))
+        self._finished.update((c.request_id, c) for c in completions)
+        return completions
+
+    def run(self) -> ServingRun:
+        """Step until every submitted request is complete. Returns the completions of all requests submitted
+        since the last `run` (in submission order), the iterations since then and their wall time."""
+        if not self._pending:
+            raise RuntimeError("nothing to run: submit requests first")
+        while self.has_work:
+            self.step()
+        wall = time.perf_counter() - self._start
+        result = ServingRun([self._finished[rid] for rid in self._pending], self._iterations, wall)
+        self._pending, self._finished, self._iterations, self._start = {}, {}, [], None
+        return result
+
+
+def serve(model: GPT, requests: list[Request], **engine_args) -> ServingRun:
+    """Submit every request at once (all arrive at t=0), then run the engine until all are complete."""
+    engine = Engine(model, **engine_args)
+    for request in requests:
+        engine.submit(request)
+    return engine.run()

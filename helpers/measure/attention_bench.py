@@ -1,0 +1,170 @@
+"""Benchmark every attention implementation on the same weights: median time, peak memory, and
+which SDPA backend PyTorch dispatched to (and why FlashAttention was or was not chosen).
+
+`python -m helpers bench-attention --help` runs it from the command line.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..model.attention import IMPLEMENTATIONS, CausalSelfAttention, unavailable_reason
+from ..system.device import DTYPES, parse_dtype
+from .memory import peak_cuda_bytes, peak_rss_above_baseline, run_in_fresh_process
+from .timing import median_seconds
+
+MODES = ("fwd", "fwdbwd", "compiled")  # compiled = forward of torch.compile(module)
+
+
+@dataclass
+class AttentionBenchResult:
+    name: str
+    description: str
+    status: str  # "ok", "skipped" (cannot run here, with the reason) or "error"
+    reason: str | None
+    median_ms: float | None
+    peak_mem_bytes: int | None
+    ratio_vs_sdpa: float | None  # median time / SDPA's median time: 2.0 = twice as slow
+    mode: str
+    batch: int
+    seq: int
+    d_model: int
+    heads: int
+    dtype: str
+    device: str
+
+
+def _skip_reason(name: str, mode: str, device: torch.device, dtype: torch.dtype, d_model: int) -> str | None:
+    reason = unavailable_reason(name, device, dtype, d_model, d_model, backward=mode == "fwdbwd")
+    if reason is None and mode == "compiled" and name == "flash_torch":
+        reason = "not compiled: its Python loop over tiles would unroll into thousands of graph nodes"
+    return reason
+
+
+def make_step(name: str, batch: int, seq: int, d_model: int, heads: int, dtype: torch.dtype,
+              device: torch.device, mode: str, seed: int = 0):
+    """A module with seeded weights and a zero-argument function running one measured step."""
+    torch.manual_seed(seed)
+    module = CausalSelfAttention(d_model, heads, attn_implementation=name).to(device=device, dtype=dtype)
+    x = torch.randn(batch, seq, d_model, device=device, dtype=dtype, requires_grad=mode == "fwdbwd")
+    if mode == "fwdbwd":
+        grad = torch.randn_like(x)
+
+        def step():
+            module(x).backward(grad)
+    else:
+        run = torch.compile(module) if mode == "compiled" else module
+
+        def step():
+            with torch.no_grad():
+                return run(x)
+    return module, step
+
+
+def peak_memory_in_fresh_process(**setting) -> int:
+    """Entry point of the fresh process that measures one implementation's peak RSS."""
+    setting["dtype"], setting["device"] = DTYPES[setting["dtype"]], torch.device(setting["device"])
+    _, step = make_step(**setting)
+    step()  # warm-up: one-time buffers (and compilation) are not the step's memory
+    return peak_rss_above_baseline(step)
+
+
+def bench_attention(batch: int, seq: int, d_model: int, heads: int, dtype: str = "float32", device: str = "cpu",
+                    mode: str = "fwd", names: list[str] | None = None, min_run_time: float = 0.5,
+                    memory: bool = True) -> list[AttentionBenchResult]:
+    """Time (and measure the peak memory of) each implementation with the same weights and input."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+    torch_dtype, dev = parse_dtype(dtype), torch.device(device)
+    names = list(IMPLEMENTATIONS) if names is None else names
+    results = []
+    for name in names:
+        common = dict(name=name, description=IMPLEMENTATIONS[name].description, mode=mode, batch=batch, seq=seq,
+                      d_model=d_model, heads=heads, dtype=dtype, device=dev.type)
+        reason = _skip_reason(name, mode, dev, torch_dtype, d_model)
+        if reason is not None:
+            results.append(AttentionBenchResult(status="skipped", reason=reason, median_ms=None, peak_mem_bytes=None,
+                                                ratio_vs_sdpa=None, **common))
+            continue
+        try:
+            _, step = make_step(name, batch, seq, d_model, heads, torch_dtype, dev, mode)
+            median_ms = median_seconds(step, dev, min_run_time) * 1e3
+            peak = None
+            if memory and dev.type == "cuda":
+                peak = peak_cuda_bytes(step, dev)
+            elif memory:
+                peak = run_in_fresh_process("helpers.measure.attention_bench:peak_memory_in_fresh_process", name=name,
+                                            batch=batch, seq=seq, d_model=d_model, heads=heads, dtype=dtype,
+                                            device=dev.type, mode=mode)
+            results.append(AttentionBenchResult(status="ok", reason=None, median_ms=median_ms, peak_mem_bytes=peak,
+                                                ratio_vs_sdpa=None, **common))
+        except Exception as err:  # report and go on: one broken kernel must not hide the others' results
+            results.append(AttentionBenchResult(status="error", reason=f"{type(err).__name__}: {err}"[:500],
+                                                median_ms=None, peak_mem_bytes=None, ratio_vs_sdpa=None, **common))
+    sdpa = next((r.median_ms for r in results if r.name == "sdpa" and r.status == "ok"), None)
+    for r in results:
+        if sdpa and r.median_ms is not None:
+            r.ratio_vs_sdpa = r.median_ms / sdpa
+    return results
+
+
+def results_as_dicts(results: list[AttentionBenchResult]) -> list[dict]:
+    return [asdict(r) for r in results]
+
+
+def format_results(results: list[AttentionBenchResult]) -> str:
+    """A text table: one row per implementation, skipped ones with their reason."""
+    lines = [f"{'implementation':<18} {'median ms':>10} {'vs sdpa':>8} {'peak MiB':>9}  note"]
+    for r in results:
+        ms = f"{r.median_ms:10.2f}" if r.median_ms is not None else f"{'-':>10}"
+        ratio = f"{r.ratio_vs_sdpa:7.2f}x" if r.ratio_vs_sdpa is not None else f"{'-':>8}"
+        mem = f"{r.peak_mem_bytes / 2**20:9.1f}" if r.peak_mem_bytes is not None else f"{'-':>9}"
+        note = "" if r.status == "ok" else f"{r.status}: {r.reason}"
+        lines.append(f"{r.name:<18} {ms} {ratio} {mem}  {note}")
+    return "\n".join(lines)
+
+
+# ---- which SDPA backend runs ----
+
+_BACKEND_OPS = (("flash", "flash_attention"), ("efficient", "efficient_attention"), ("cudnn", "cudnn_attention"))
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def sdpa_backend_used(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **sdpa_kwargs) -> str:
+    """The SDPA backend PyTorch dispatches to for these inputs, read from the aten op that ran."""
+    with torch.no_grad(), _OpRecorder() as recorder:
+        F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs)
+    for op in recorder.ops:
+        for key, backend in _BACKEND_OPS:
+            if f"_scaled_dot_product_{key}" in op or f"_{key}_attention" in op:
+                return backend
+    return "math"
+
+
+def flash_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **sdpa_kwargs) -> str | None:
+    """None when SDPA's flash backend accepts these inputs; else PyTorch's own reasons."""
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        try:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs)
+            return None
+        except RuntimeError as err:
+            messages = [re.sub(r"\s*\(Triggered internally at .*?\)", "", str(w.message)).strip() for w in caught]
+            return " ".join(m for m in messages if m) or str(err)

@@ -1,0 +1,105 @@
+"""The roofline: a device's measured peak and memory bandwidth, and a GPT's operations placed on it by
+arithmetic intensity (FLOPs per byte moved): below the ridge an operation is bound by memory, above by compute."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..model.config import GPTConfig
+from .flops import check_shape, ffn_hidden_dim
+from .timing import median_seconds
+
+# Rough arithmetic per element of the elementwise operations. Whatever the exact count, it is O(1) per element
+# read, so their intensity stays near 1 FLOP/byte and memory bandwidth bounds them.
+ELEMENTWISE_FLOPS = {"softmax": 5, "layer_norm": 8, "gelu": 10, "add": 1}
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One operation of a GPT forward pass: its FLOPs, the bytes it must move at least, and how to run it."""
+
+    name: str
+    kind: str  # "matmul", "attention" or "elementwise"
+    flops: int
+    bytes: int  # read every input once, write the output once
+    make: Callable[[], Callable[[], object]]  # allocates the inputs, returns a zero-argument step
+    device: torch.device
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity: FLOPs per byte of memory traffic."""
+        return self.flops / self.bytes
+
+
+def roofline(intensity: float, peak_flops_per_s: float, bandwidth: float) -> float:
+    """Attainable FLOP/s at an arithmetic intensity: memory-bound below the ridge point peak/bandwidth."""
+    return min(peak_flops_per_s, intensity * bandwidth)
+
+
+def gpt_operations(config: GPTConfig, batch: int, seq: int, device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32) -> list[Operation]:
+    """The main operations of one block and the LM head at this size, with their FLOPs and minimum bytes moved."""
+    check_shape(config, batch, seq)
+    size, device = torch.empty((), dtype=dtype).element_size(), torch.device(device)
+    tokens, d, heads, hd = batch * seq, config.d_model, config.n_heads, config.head_dim
+    hidden = ffn_hidden_dim(config)
+    fc_out = hidden if config.ffn_type == "gelu" else 2 * hidden
+
+    def randn(*shape):
+        return lambda: torch.randn(*shape, device=device, dtype=dtype)
+
+    def matmul(name: str, m: int, k: int, n: int) -> Operation:
+        def make():
+            x, w = randn(m, k)(), randn(n, k)()
+            return lambda: F.linear(x, w)
+        return Operation(name, "matmul", 2 * m * k * n, (m * k + k * n + m * n) * size, make, device)
+
+    def elementwise(name: str, op: str, shape: tuple[int, int], fn, inputs: int = 1) -> Operation:
+        def make():
+            xs = [randn(*shape)() for _ in range(inputs)]
+            return lambda: fn(*xs)
+        numel = shape[0] * shape[1]
+        return Operation(name, "elementwise", ELEMENTWISE_FLOPS[op] * numel, (inputs + 1) * numel * size, make,
+                         device)
+
+    qkv = (batch, heads, seq, hd)
+    scores = batch * heads * seq * seq
+
+    def make_scores():
+        q, k = randn(*qkv)(), randn(*qkv)()
+        return lambda: q @ k.transpose(-2, -1)
+
+    def make_sdpa():
+        q, k, v = randn(*qkv)(), randn(*qkv)(), randn(*qkv)()
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def make_softmax():
+        s = randn(batch, heads, seq, seq)()
+        return lambda: torch.softmax(s, dim=-1)
+
+    ln_w, ln_b = torch.ones(d, device=device, dtype=dtype), torch.zeros(d, device=device, dtype=dtype)
+    return [
+        matmul("QKV projection", tokens, d, 3 * d),
+        matmul("attention output projection", tokens, d, d),
+        matmul("feed-forward up", tokens, d, fc_out),
+        matmul("feed-forward down", tokens, hidden, d),
+        matmul("LM head", tokens, d, config.vocab_size),
+        Operation("Q·Kᵀ scores (eager, writes T×T)", "attention", 2 * scores * hd,
+                  (2 * batch * heads * seq * hd + scores) * size, make_scores, device),
+        Operation("SDPA causal attention (fused)", "attention", 4 * batch * heads * hd * seq * (seq + 1) // 2,
+                  4 * batch * heads * seq * hd * size, make_sdpa, device),
+        Operation("softmax over scores (eager)", "elementwise", ELEMENTWISE_FLOPS["softmax"] * scores,
+                  2 * scores * size, make_softmax, device),
+        elementwise("LayerNorm", "layer_norm", (tokens, d), lambda x: F.layer_norm(x, (d,), ln_w, ln_b)),
+        elementwise("GELU", "gelu", (tokens, 4 * d), lambda x: F.gelu(x, approximate="tanh")),
+        elementwise("residual add", "add", (tokens, d), torch.add, inputs=2),
+    ]
+
+
+def time_operation(op: Operation, min_run_time: float = 0.2) -> float:
+    """Median seconds of one run of `op` (after a warm-up run)."""
+    return median_seconds(op.make(), op.device, min_run_time)

@@ -1,0 +1,162 @@
+"""Continuous vs static batching on one model and one mixed workload: throughput, latency percentiles, KV memory
+utilisation, and a float64 check that both engines produce exactly the tokens of `GPT.generate`.
+
+`python -m helpers bench-serve --help` runs it from the command line.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from ..inference.serving import Request, ServingRun, contiguous_layout, serve
+from ..model.config import GPTConfig
+from ..model.gpt import GPT
+from ..system.device import dtype_name
+from ..text.data import load_token_ids
+
+
+def mixed_workload(n_requests: int, context_length: int, seed: int = 0,
+                   token_ids: torch.Tensor | None = None) -> list[Request]:
+    """Requests with mixed lengths, as in chat traces: prompts uniform in [ctx/32, ctx/4] tokens of the course
+    corpus; output lengths (`max_tokens`, no EOS) log-uniform in [ctx/64, ctx/2], so many answers are short
+    and a few are long."""
+    if n_requests < 1:
+        raise ValueError(f"n_requests must be 1 or more, got {n_requests}")
+    if context_length < 8:
+        raise ValueError(f"context_length must be 8 or more for a mixed workload, got {context_length}")
+    ids = load_token_ids() if token_ids is None else token_ids
+    g = torch.Generator().manual_seed(seed)
+    prompt_lo, prompt_hi = context_length // 32 or 1, context_length // 4
+    out_lo, out_hi = context_length // 64 or 1, context_length // 2
+    prompt_lens = torch.randint(prompt_lo, prompt_hi + 1, (n_requests,), generator=g).tolist()
+    log_out = torch.empty(n_requests, dtype=torch.float64).uniform_(math.log(out_lo), math.log(out_hi + 1),
+                                                                    generator=g)
+    out_lens = log_out.exp().floor().clamp(out_lo, out_hi).long().tolist()
+    starts = torch.randint(0, len(ids) - prompt_hi, (n_requests,), generator=g).tolist()
+    return [Request(i, tuple(ids[s : s + p].tolist()), o)
+            for i, (s, p, o) in enumerate(zip(starts, prompt_lens, out_lens, strict=True))]
+
+
+def reference_tokens(model: GPT, request: Request) -> list[int]:
+    """Single-sequence greedy generation with `GPT.generate` (full recompute, no cache), cut after EOS."""
+    out = model.generate(torch.tensor([request.prompt], device=next(model.parameters()).device), request.max_tokens)
+    tokens = out[0, len(request.prompt) :].tolist()
+    if request.eos_id in tokens:
+        tokens = tokens[: tokens.index(request.eos_id) + 1]
+    return tokens
+
+
+def engine_arguments(context_length: int, max_batch: int, block_size: int, num_blocks: int | None = None) -> dict:
+    """Arguments of the three engines compared. By default each gets the same KV memory: the contiguous cache's
+    `max_batch` rows of `context_length` slots.
+
+    * "continuous": iteration-level scheduling on the paged cache (the vLLM design);
+    * "continuous_contiguous": the same scheduler, each sequence holding a max-length row (layout alone differs);
+    * "static": static batching on the contiguous cache (scheduler and layout differ).
+    """
+    paged_blocks = max_batch * math.ceil(context_length / block_size) if num_blocks is None else num_blocks
+    contiguous = contiguous_layout(context_length, max_batch)
+    return {"continuous": {"max_batch": max_batch, "block_size": block_size, "num_blocks": paged_blocks},
+            "continuous_contiguous": {"max_batch": max_batch, **contiguous},
+            "static": {"max_batch": max_batch, "scheduling": "static", **contiguous}}
+
+
+def check_token_identity(model: GPT, requests: list[Request], engines: dict[str, dict]) -> bool:
+    """Run `requests` through each engine with a float64 copy of `model` and compare with `GPT.generate`."""
+    model64 = copy.deepcopy(model).double().eval()
+    expected = [reference_tokens(model64, r) for r in requests]
+    return all([c.tokens for c in serve(model64, requests, **args).completions] == expected
+               for args in engines.values())
+
+
+def bench_serve(model_name: str, n_requests: int, max_batch: int, block_size: int = 16, seed: int = 0,
+                device: str = "cpu", num_blocks: int | None = None, repeats: int = 1, check_requests: int = 6,
+                check_max_tokens: int = 8, progress=None) -> tuple[dict, dict[str, ServingRun]]:
+    """Serve one mixed workload (all requests arrive at t=0) with each engine of `engine_arguments`; same model
+    (random weights, seeded), same forward code. Returns the report and each engine's `ServingRun`.
+
+    With `repeats` > 1 the engines run in turn that many times and each keeps its fastest run (the schedule is
+    the same every time; only the timing varies, and on a shared machine the fastest run is the least disturbed).
+
+    `token_identical`: the `check_requests` requests with the shortest prompts, each generating
+    `check_max_tokens` tokens, served by every engine with fewer batch slots than requests, in float64, equal
+    `GPT.generate`'s greedy tokens.
+    `float32_same_tokens`: the share of workload requests whose float32 outputs agree between continuous and
+    static batching (batched float32 kernels round differently, so a near-tie can flip a token).
+    `progress`, if given, is called with each engine's name before it runs.
+    """
+    config = GPTConfig.from_preset(model_name, dropout=0.0)
+    torch.manual_seed(seed)
+    model = GPT(config).to(device).eval()
+    workload = mixed_workload(n_requests, config.context_length, seed)
+    engines = engine_arguments(config.context_length, max_batch, block_size, num_blocks)
+    if repeats < 1:
+        raise ValueError(f"repeats must be 1 or more, got {repeats}")
+    warmup = [Request(r.request_id, r.prompt, min(r.max_tokens, 4)) for r in workload[:max_batch]]
+    runs: dict[str, ServingRun] = {}
+    for round_ in range(repeats):
+        for name, args in engines.items():
+            if progress is not None:
+                progress(f"{name} ({round_ + 1}/{repeats})" if repeats > 1 else name)
+            if round_ == 0:
+                serve(model, warmup, **args)  # first calls allocate memory and pick kernels
+            run = serve(model, workload, **args)
+            if name not in runs or run.wall_s < runs[name].wall_s:
+                runs[name] = run
+    shortest = sorted(workload, key=lambda r: len(r.prompt))[:check_requests]  # GPT.generate recomputes everything
+    check = [Request(r.request_id, r.prompt, check_max_tokens) for r in shortest]
+    check_engines = engine_arguments(config.context_length, max(1, len(check) // 2), block_size)
+    cont, stat = runs["continuous"], runs["static"]
+    report = {
+        "model": model_name, "device": device, "dtype": dtype_name(next(model.parameters()).dtype),
+        "requests": n_requests, "max_batch": max_batch, "block_size": block_size, "repeats": repeats,
+        "num_blocks": engines["continuous"]["num_blocks"], "seed": seed, "arrivals": "all at t=0",
+        "prompt_tokens": sum(len(r.prompt) for r in workload), "generated_tokens": cont.generated_tokens,
+        "tokens_per_s_continuous": cont.tokens_per_s, "tokens_per_s_static": stat.tokens_per_s,
+        "throughput_ratio": cont.tokens_per_s / stat.tokens_per_s,
+        "tokens_per_s_continuous_contiguous": runs["continuous_contiguous"].tokens_per_s,
+        "kv_utilization_paged": cont.kv_utilization,
+        "kv_utilization_contiguous": runs["continuous_contiguous"].kv_utilization,
+        "kv_utilization_static": stat.kv_utilization,
+    }
+    for name, run in runs.items():
+        report |= {f"wall_s_{name}": run.wall_s, f"iterations_{name}": len(run.iterations),
+                   f"padding_rows_{name}": sum(i.padding_rows for i in run.iterations),
+                   f"preemptions_{name}": run.preemptions}
+        report |= {f"latency_{p}_s_{name}": value for p, value in run.latency_percentiles().items()}
+    same = sum(a.tokens == b.tokens for a, b in zip(cont.completions, stat.completions, strict=True))
+    report |= {"float32_same_tokens": same / n_requests, "token_identical_requests": len(check),
+               "token_identical": check_token_identity(model, check, check_engines)}
+    return report, runs
+
+
+def format_report(report: dict) -> str:
+    """The benchmark as a text table: one column per engine."""
+    names = ("continuous", "continuous_contiguous", "static")
+    head = (f"{report['requests']} requests (all at t=0), {report['prompt_tokens']} prompt and "
+            f"{report['generated_tokens']} generated tokens; {report['model']} on {report['device']}, "
+            f"{report['dtype']}, max batch {report['max_batch']}"
+            + (f"; fastest of {report['repeats']} runs each" if report["repeats"] > 1 else ""))
+    throughput = {n: report[f"tokens_per_s_{n}"] for n in names}
+    utilization = {"continuous": report["kv_utilization_paged"], "static": report["kv_utilization_static"],
+                   "continuous_contiguous": report["kv_utilization_contiguous"]}
+    rows = [
+        ("scheduling", "continuous", "continuous", "static"),
+        ("KV cache", f"paged ({report['block_size']}-token blocks)", "contiguous rows", "contiguous rows"),
+        ("generated tokens / s", *(f"{throughput[n]:.1f}" for n in names)),
+        ("wall time (s)", *(f"{report[f'wall_s_{n}']:.2f}" for n in names)),
+        *[(f"latency {p} (s)", *(f"{report[f'latency_{p}_s_{n}']:.2f}" for n in names)) for p in ("p50", "p90", "p99")],
+        ("iterations", *(str(report[f"iterations_{n}"]) for n in names)),
+        ("padding rows computed", *(str(report[f"padding_rows_{n}"]) for n in names)),
+        ("preemptions", *(str(report[f"preemptions_{n}"]) for n in names)),
+        ("KV utilisation (used / allocated)", *(f"{utilization[n]:.1%}" for n in names)),
+    ]
+    lines = [head] + [f"{label:<34} {a:>24} {b:>22} {c:>16}" for label, a, b, c in rows]
+    lines.append(f"throughput ratio (continuous paged / static): {report['throughput_ratio']:.2f}x")
+    lines.append(f"token-identical to GPT.generate in float64 ({report['token_identical_requests']} requests, "
+                 f"every engine): {report['token_identical']}; float32 outputs equal between continuous and static: "
+                 f"{report['float32_same_tokens']:.0%} of requests")
+    return "\n".join(lines)

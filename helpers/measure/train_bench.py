@@ -1,0 +1,493 @@
+"""The training-speed ladder: optimisations added to a GPT training step one at a time, each one measured.
+
+The rungs are cumulative: each keeps what the rungs below it applied and adds one change (`LADDER`). A rung that
+does not apply on this device (TF32 on a CPU, bf16 where it is not native) is reported as skipped, with why, and
+the next rung builds on the one below it; a rung that fails is reported with its error (as are the rungs above
+it, which include its change). Every rung starts
+from the same initial weights and trains on the same batches, so their losses must agree (within the rounding of
+their precision), which the report keeps next to the speed.
+
+A training step here is one optimizer step: `accumulation` micro-batches of `batch` sequences of `ctx` tokens,
+forward and backward, then AdamW. Speed is tokens per second (median over timed steps, after warm-up steps); MFU
+counts the model's FLOPs (`helpers.measure.flops.training_step_flops`, the published vocabulary) against the peak of the
+precision the device trains in (`helpers.measure.mfu.peak_flops`: a datasheet for known GPUs, a measured matmul
+elsewhere), so MFU rises with tokens/s along the ladder.
+
+The peer: transformers' `GPT2LMHeadModel` with the same configuration (the padded vocabulary too, when our best
+rung pads it) and weights, trained by the same step with the same settings as our best rung (dtype, optimizer,
+batch, context, attention kernel, accumulation, dropout 0), eager and, when our best rung is compiled, compiled
+too; timed interleaved with ours in the same rounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import gc
+import math
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from ..model.config import PRESETS, GPTConfig
+from ..model.gpt import GPT
+from ..model.loading import tie_weights
+from ..system.device import (
+    DeviceCapabilities,
+    autocast_dtype,
+    detect_capabilities,
+    dtype_name,
+    needs_grad_scaler,
+    parse_dtype,
+)
+from ..training.step import TrainingStep
+from .flops import training_step_flops
+from .mfu import PeakFlops, measure_matmul_flops, mfu, peak_flops
+from .peer import PEER_ATTENTION, gpt_logits, peer_logits, transformers_peer
+from .timing import timed_rounds, warm_up
+
+VOCAB_MULTIPLE = 64  # matmul tiles and vector widths divide it: 50257 -> 50304
+LEARNING_RATE = 3e-4
+@dataclass(frozen=True)
+class StepSettings:
+    """The runtime choices of one training step; each rung of the ladder changes one of them."""
+
+    batch: int  # sequences per micro-batch
+    ctx: int  # tokens per sequence
+    attn_implementation: str = "eager"  # a name of helpers.model.attention.IMPLEMENTATIONS
+    tf32: bool = False  # fp32 matmuls on TF32 tensor cores (CUDA, Ampere+)
+    fused_adamw: bool = False  # AdamW as one fused kernel (otherwise PyTorch's default implementation)
+    autocast: str | None = None  # "bfloat16" or "float16" (with a GradScaler); None trains in fp32
+    vocab_multiple: int = 1  # the embedding / LM head rows rounded up to a multiple of this
+    accumulation: int = 1  # micro-batches per optimizer step
+    compile: bool = False  # model and loss under torch.compile
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.ctx * self.accumulation
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One planned rung: the settings it runs with, or None when it does not apply here (`note` says why)."""
+
+    name: str
+    label: str
+    settings: StepSettings | None
+    note: str  # what the rung changes, or why it is skipped
+
+
+def _tf32(caps: DeviceCapabilities, s: StepSettings) -> tuple[StepSettings | None, str]:
+    if caps.device_type != "cuda":
+        return None, f"TF32 is a tensor-core format of NVIDIA GPUs; fp32 matmuls on {caps.device_type} are unchanged"
+    if caps.compute_capability is not None and caps.compute_capability < (8, 0):
+        return None, f"TF32 needs compute capability 8.0+ (Ampere or newer); {caps.name} has " \
+                     f"{'.'.join(map(str, caps.compute_capability))}"
+    return dataclasses.replace(s, tf32=True), "fp32 matmuls on TF32 tensor cores (10-bit mantissa inputs)"
+
+
+def _fused_adamw(caps: DeviceCapabilities, s: StepSettings) -> tuple[StepSettings | None, str]:
+    return dataclasses.replace(s, fused_adamw=True), "AdamW(fused=True): one kernel updates every parameter"
+
+
+def _autocast(caps: DeviceCapabilities, s: StepSettings) -> tuple[StepSettings | None, str]:
+    dtype = autocast_dtype(caps)
+    if dtype is None:
+        return None, f"{caps.name} has neither native bf16 nor fp16 tensor cores: fp32 stays the fastest"
+    name = dtype_name(dtype)
+    note = f"torch.autocast({caps.device_type!r}, dtype=torch.{name}): matmuls in {name}, weights stay fp32"
+    if needs_grad_scaler(dtype):
+        note += f"; no native bf16 on {caps.name}, so fp16 with torch.amp.GradScaler"
+    return dataclasses.replace(s, autocast=name), note
+
+
+def _sdpa(caps: DeviceCapabilities, s: StepSettings) -> tuple[StepSettings | None, str]:
+    return (dataclasses.replace(s, attn_implementation="sdpa"),
+            "F.scaled_dot_product_attention(is_causal=True): a fused (FlashAttention) kernel, no T x T scores")
+
+
+def _pad_vocab(caps: DeviceCapabilities, s: StepSettings, vocab_size: int) -> tuple[StepSettings | None, str]:
+    if vocab_size % VOCAB_MULTIPLE == 0:
+        return None, f"the vocabulary ({vocab_size}) is already a multiple of {VOCAB_MULTIPLE}"
+    padded = math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    return (dataclasses.replace(s, vocab_multiple=VOCAB_MULTIPLE),
+            f"LM head and embedding padded {vocab_size} -> {padded} rows; the loss ignores the padding")
+
+
+def _accumulate(caps: DeviceCapabilities, s: StepSettings, accumulation: int) -> tuple[StepSettings | None, str]:
+    if accumulation == 1:
+        return None, "accumulation=1: no larger batch asked for"
+    return (dataclasses.replace(s, accumulation=accumulation),
+            f"{accumulation} micro-batches per optimizer step: a {accumulation}x larger batch, one AdamW step")
+
+
+def _compile(caps: DeviceCapabilities, s: StepSettings) -> tuple[StepSettings | None, str]:
+    return dataclasses.replace(s, compile=True), "torch.compile(model + loss): fused elementwise kernels"
+
+
+LADDER = ("baseline", "tf32", "fused_adamw", "autocast", "sdpa", "pad_vocab", "accumulation", "compile")
+LABELS = {"baseline": "fp32 baseline", "tf32": "TF32 matmuls", "fused_adamw": "fused AdamW",
+          "autocast": "bf16 autocast", "sdpa": "SDPA (flash)", "pad_vocab": "vocab padded to 64",
+          "accumulation": "batch x{n} by accumulation", "compile": "torch.compile"}
+
+
+def plan_ladder(caps: DeviceCapabilities, batch: int, ctx: int, accumulation: int = 4,
+                vocab_size: int = PRESETS["gpt2-small"].vocab_size, until: str | None = None) -> list[Rung]:
+    """The rungs for a device (a pure function of its capability record): settings, or why a rung is skipped.
+
+    until: stop after this rung (e.g. "accumulation", to leave out torch.compile's compile time).
+    """
+    if until is not None and until not in LADDER:
+        raise ValueError(f"unknown rung {until!r}; rungs, in order: {', '.join(LADDER)}")
+    current = StepSettings(batch=batch, ctx=ctx)
+    rules = {"tf32": _tf32, "fused_adamw": _fused_adamw, "autocast": _autocast, "sdpa": _sdpa,
+             "pad_vocab": lambda c, s: _pad_vocab(c, s, vocab_size),
+             "accumulation": lambda c, s: _accumulate(c, s, accumulation), "compile": _compile}
+    rungs = [Rung("baseline", LABELS["baseline"], current,
+                  "fp32, textbook attention (softmax(QK^T)V materialised), PyTorch's default AdamW")]
+    for name in LADDER[1 : None if until is None else LADDER.index(until) + 1]:
+        settings, note = rules[name](caps, current)
+        label = LABELS[name].format(n=accumulation)
+        if name == "autocast" and settings is not None:
+            label = f"{str(settings.autocast).replace('bfloat', 'bf').replace('float', 'fp')} autocast"
+        rungs.append(Rung(name, label, settings, note))
+        current = settings or current
+    return rungs
+
+
+# ---- the models ----
+
+
+def padded_vocab_model(model: GPT, multiple: int) -> GPT:
+    """A copy of `model` whose embedding and LM head have their rows rounded up to a multiple of `multiple`.
+
+    The real rows are copied, the padding rows are zero; padded ids never occur as inputs, and a loss over the
+    first `vocab_size` logits never sees them, so the padded model computes and trains exactly as the original.
+    """
+    config = model.config
+    padded = math.ceil(config.vocab_size / multiple) * multiple
+    with torch.device("meta"):
+        out = GPT(dataclasses.replace(config, vocab_size=padded), attn_implementation=model.attn_implementation)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name in ("tok_emb.weight", "lm_head.weight"):
+            tensor = torch.cat([tensor, tensor.new_zeros(padded - config.vocab_size, tensor.size(1))])
+        state[name] = tensor.detach().clone()
+    out.load_state_dict(state, assign=True)
+    return tie_weights(out).train(model.training)
+
+
+# ---- the training step ----
+
+
+@contextlib.contextmanager
+def matmul_precision(device: torch.device, tf32: bool) -> Iterator[None]:
+    """fp32 matmuls on TF32 tensor cores for the duration (CUDA only); the previous setting is restored."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def ladder_step(model: nn.Module, settings: StepSettings, vocab_size: int,
+                forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] = gpt_logits,
+                lr: float = LEARNING_RATE) -> TrainingStep:
+    """The course's one training step (`helpers.training.step.TrainingStep`) under a rung's settings: AdamW (fused or
+    not), the autocast dtype, torch.compile, and the loss over the first `vocab_size` logits (so a padded LM head
+    trains as the unpadded one). `forward` maps (model, token ids) to logits: `gpt_logits` for ours, `peer_logits` for
+    transformers'."""
+    optimizer = torch.optim.AdamW(model.train().parameters(), lr=lr, fused=True if settings.fused_adamw else None)
+    return TrainingStep(model, optimizer, autocast=parse_dtype(settings.autocast) if settings.autocast else None,
+                        compile=settings.compile, forward=forward, vocab_size=vocab_size)
+
+
+def restart(step: TrainingStep, state: dict[str, torch.Tensor], settings: StepSettings) -> None:
+    """Back to the weights `state` with a fresh optimizer; the parameters stay the same tensors, so compiled code
+    stays valid."""
+    with torch.no_grad():
+        step.model.load_state_dict(state)
+    step.optimizer = torch.optim.AdamW(step.model.parameters(), lr=step.optimizer.defaults["lr"],
+                                       fused=True if settings.fused_adamw else None)
+
+
+def run_step(step: TrainingStep, tf32: bool, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """One step on `batches` (the micro-batches of one optimizer step); their mean loss."""
+    with matmul_precision(next(step.model.parameters()).device, tf32):
+        return step(batches).loss
+
+
+def make_batches(vocab_size: int, settings: StepSettings, device: torch.device | str,
+                 seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`accumulation` micro-batches of random token ids (inputs, next-token targets); speed does not depend on
+    the text, and training repeatedly on the same batches must lower the loss."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(settings.accumulation):
+        idx = torch.randint(vocab_size, (settings.batch, settings.ctx + 1), generator=generator).to(device)
+        batches.append((idx[:, :-1], idx[:, 1:]))
+    return batches
+
+
+# ---- the ladder ----
+
+
+@dataclass
+class RungResult:
+    name: str
+    label: str
+    status: str  # "ok", "skipped" or "error"
+    note: str  # what the rung changes, why it was skipped, or the error
+    settings: dict | None = None
+    step_ms: float | None = None  # median milliseconds per optimizer step
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    first_loss: float | None = None  # the loss of the first step (same weights and batch on every rung)
+    last_loss: float | None = None
+
+
+class Ladder:
+    """Climb the rungs of `plan_ladder` on one model configuration, then race transformers' GPT-2.
+
+    `climb()` measures every rung; `compare_with_transformers()` times our best rung against the peer; `report()`
+    is everything as one JSON-ready dict. interleave (default: on CPUs and Apple GPUs, whose speed other
+    programs share): keep every rung's model and time them in the same rounds, instead of one rung after another
+    (which holds one model at a time: what a GPU's memory wants).
+    """
+
+    def __init__(self, config: GPTConfig, batch: int, ctx: int, steps: int = 5, warmup: int = 2,
+                 accumulation: int = 4, device: str | None = None, until: str | None = None,
+                 peak: PeakFlops | None = None, seed: int = 0, model_name: str | None = None,
+                 interleave: bool | None = None) -> None:
+        check_bench_args(config, batch, ctx, steps, warmup, accumulation, model_name)
+        self.caps = detect_capabilities(device)
+        self.device = self.caps.device
+        self.config = dataclasses.replace(config, dropout=0.0)
+        self.model_name, self.steps, self.warmup, self.seed = model_name, steps, warmup, seed
+        self.interleave = self.device.type != "cuda" if interleave is None else interleave
+        self.plan = plan_ladder(self.caps, batch, ctx, accumulation, config.vocab_size, until)
+        dtype = autocast_dtype(self.caps)
+        self.peak = peak or peak_flops(self.caps.name, self.caps.device_type, dtype,
+                                       measure=lambda: measure_matmul_flops(self.device, dtype, min_run_time=0.3))
+        torch.manual_seed(seed)
+        self.initial = GPT(self.config)  # every rung starts from these weights (on the CPU)
+        self.results: list[RungResult] = []
+        self.best: tuple[RungResult, functools.partial] | None = None
+        self.comparison: dict | None = None
+
+    def flops_per_step(self, settings: StepSettings) -> int:
+        return training_step_flops(self.config, settings.batch, settings.ctx) * settings.accumulation
+
+    def _model(self, settings: StepSettings) -> GPT:
+        model = copy.deepcopy(self.initial)
+        if settings.vocab_multiple > 1:
+            model = padded_vocab_model(model, settings.vocab_multiple)
+        return model.set_attn_implementation(settings.attn_implementation).to(self.device)
+
+    def _step(self, model: nn.Module, settings: StepSettings, logits=gpt_logits) -> functools.partial:
+        """A training step bound to this ladder's batches (`.args[0]` is the TrainingStep)."""
+        step = ladder_step(model, settings, self.config.vocab_size, logits)
+        return functools.partial(run_step, step, settings.tf32,
+                                 make_batches(self.config.vocab_size, settings, self.device, self.seed))
+
+    def _release(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _error(self, result: RungResult, err: Exception) -> RungResult:
+        self._release()
+        return dataclasses.replace(result, status="error", note=f"{type(err).__name__}: {err}".splitlines()[0])
+
+    def _measured(self, result: RungResult, seconds: list[float], losses: list[float]) -> RungResult:
+        s = StepSettings(**result.settings)
+        median = statistics.median(seconds)
+        return dataclasses.replace(result, step_ms=1e3 * median, tokens_per_s=s.tokens_per_step / median,
+                                   mfu=mfu(self.flops_per_step(s) / median, self.peak.flops),
+                                   first_loss=losses[0], last_loss=losses[-1])
+
+    def climb(self, progress: bool = False) -> list[RungResult]:
+        """Measure each rung (cumulative settings); the fastest one's step is kept for `compare_with_transformers`."""
+        torch.compiler.reset()  # compiled code of an earlier ladder in this process must not count here
+        results, steps, warm = [], {}, {}
+        for rung in tqdm(self.plan, desc="rungs", disable=not progress):
+            result = RungResult(rung.name, rung.label, "skipped", rung.note)
+            if rung.settings is not None:
+                result = dataclasses.replace(result, status="ok", settings=dataclasses.asdict(rung.settings))
+                try:  # errors: e.g. no C++ compiler for torch.compile on a CPU, or out of memory
+                    step = self._step(self._model(rung.settings), rung.settings)
+                    warm[rung.name] = warm_up(step, self.warmup)
+                    if not self.interleave:
+                        seconds, losses = timed_rounds({rung.name: step}, self.steps, self.device)[rung.name]
+                        result = self._measured(result, seconds, warm[rung.name] + losses)
+                        self._keep_if_best(result, step)
+                        del step
+                        self._release()
+                    else:
+                        steps[rung.name] = step
+                except RuntimeError as err:  # torch.OutOfMemoryError included
+                    result = self._error(result, err)
+            results.append(result)
+        if steps:
+            rounds = timed_rounds(steps, self.steps, self.device)
+            for i, result in enumerate(results):
+                if result.name in rounds:
+                    seconds, losses = rounds[result.name]
+                    results[i] = self._measured(result, seconds, warm[result.name] + losses)
+                    self._keep_if_best(results[i], steps[result.name])
+            del steps
+            self._release()
+        self.results = results
+        return results
+
+    def _keep_if_best(self, result: RungResult, step: functools.partial) -> None:
+        if self.best is None or result.tokens_per_s > self.best[0].tokens_per_s:
+            self.best = (result, step)
+
+    def compare_with_transformers(self) -> dict:
+        """Our best rung against transformers' GPT2LMHeadModel with the same settings, timed in the same rounds:
+        eager and, when our best rung is compiled, compiled too."""
+        if self.best is None:
+            raise RuntimeError("no rung ran: climb() the ladder first")
+        best, ours = self.best
+        s = StepSettings(**best.settings)
+        initial = self._model(s)  # the initial weights, padded as our best rung's
+        restart(ours.args[0], initial.state_dict(), s)
+        out = {"best_rung": best.name, "settings": best.settings, "vocab_size": initial.config.vocab_size,
+               "attn_implementation": PEER_ATTENTION.get(s.attn_implementation)}
+        try:
+            peer = transformers_peer(initial)
+        except (ImportError, ValueError) as err:
+            self.comparison = {**out, "status": "unavailable", "note": str(err)}
+            return self.comparison
+        steps = {"ours": ours,
+                 "transformers_eager": self._step(peer, dataclasses.replace(s, compile=False), peer_logits)}
+        if s.compile:
+            steps["transformers_compiled"] = self._step(copy.deepcopy(peer), s, peer_logits)
+        warm = {name: warm_up(step, self.warmup) for name, step in steps.items()}
+        rounds = timed_rounds(steps, self.steps, self.device)
+        tokens = {name: s.tokens_per_step / statistics.median(seconds) for name, (seconds, _) in rounds.items()}
+        out |= {"status": "ok", "note": "transformers trained with our best rung's settings, timed interleaved",
+                "ours_tokens_per_s": tokens["ours"],
+                "transformers_eager_tokens_per_s": tokens["transformers_eager"],
+                "transformers_compiled_tokens_per_s": tokens.get("transformers_compiled"),
+                "first_loss": {name: losses[0] for name, losses in warm.items()}}
+        del steps, peer, initial
+        self._release()
+        self.comparison = out
+        return out
+
+    def report(self) -> dict:
+        """The ladder and the race as one JSON-ready dict (`rungs`, `ratio_vs_transformers`, ...)."""
+        c = self.comparison or {}
+        ok = c.get("status") == "ok"
+        eager = c["ours_tokens_per_s"] / c["transformers_eager_tokens_per_s"] if ok else None
+        compiled = (c["ours_tokens_per_s"] / c["transformers_compiled_tokens_per_s"]
+                    if ok and c["transformers_compiled_tokens_per_s"] else None)
+        same = compiled if compiled is not None else eager
+        plan = self.plan[0].settings
+        return {
+            "model": self.model_name, "config": dataclasses.asdict(self.config),
+            "device": self.caps.device_type, "device_name": self.caps.name, "torch": torch.__version__,
+            "batch": plan.batch, "ctx": plan.ctx, "steps": self.steps, "warmup": self.warmup,
+            "peak_flops": self.peak.flops, "peak_source": self.peak.source,
+            "flops_per_token": training_step_flops(self.config, plan.batch, plan.ctx) / (plan.batch * plan.ctx),
+            "rungs": [dataclasses.asdict(r) for r in self.results],
+            "best_rung": self.best[0].name if self.best else None,
+            "transformers": c or None,
+            # ours over transformers with our best rung's settings (compiled if it is compiled)
+            "ratio_vs_transformers": same,
+            "ratio_vs_transformers_eager": eager,
+            "ratio_vs_transformers_compiled": compiled,
+            "ratio_vs_transformers_is": None if same is None else ("compiled" if compiled is not None else "eager"),
+        }
+
+
+def check_bench_args(config: GPTConfig, batch: int, ctx: int, steps: int, warmup: int, accumulation: int,
+                     model_name: str | None = None) -> None:
+    """Refuse sizes that cannot run, saying what to pass instead."""
+    if not 1 <= ctx <= config.context_length:
+        raise ValueError(f"ctx={ctx} is outside 1..{config.context_length} ({model_name or 'the model'}'s context "
+                         f"length); pass ctx={config.context_length} or less")
+    for name, value in (("batch", batch), ("steps", steps), ("warmup", warmup), ("accumulation", accumulation)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be 1 or more")
+
+
+def bench_train(model: str, batch: int, ctx: int, steps: int = 5, warmup: int = 2, accumulation: int = 4,
+                device: str | None = None, until: str | None = None, progress: bool = False) -> dict:
+    """Climb the ladder for a preset and race transformers: the report of `python -m helpers bench-train`."""
+    if model not in PRESETS:
+        raise ValueError(f"unknown model {model!r}; valid presets: {', '.join(PRESETS)}")
+    ladder = Ladder(PRESETS[model], batch, ctx, steps, warmup, accumulation, device, until, model_name=model)
+    ladder.climb(progress)
+    ladder.compare_with_transformers()
+    return ladder.report()
+
+
+def format_report(report: dict) -> str:
+    """The ladder as a table, then the comparison with transformers."""
+    lines = [f"{report['model']}: batch {report['batch']} x ctx {report['ctx']} on {report['device_name']}; "
+             f"MFU against {report['peak_flops'] / 1e12:.2f} TFLOP/s, {report['peak_source']}",
+             f"{'rung':<26} {'status':<8} {'ms/step':>9} {'tokens/s':>10} {'MFU':>7} {'x base':>7} {'loss 1st':>9}"]
+    base = report["rungs"][0]["tokens_per_s"]
+    for r in report["rungs"]:
+        if r["status"] != "ok":
+            lines.append(f"{r['label']:<26} {r['status']:<8} {r['note']}")
+            continue
+        lines.append(f"{r['label']:<26} {'ok':<8} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10,.0f} {r['mfu']:>7.2%} "
+                     f"{r['tokens_per_s'] / base if base else float('nan'):>7.2f} {r['first_loss']:>9.4f}")
+    c = report["transformers"]
+    if c is None or c["status"] != "ok":
+        lines.append(f"transformers: {c['note'] if c else 'not compared'}")
+        return "\n".join(lines)
+    lines.append(f"transformers' GPT2LMHeadModel with the settings of '{c['best_rung']}' ({c['attn_implementation']}):")
+    lines.append(f"  ours {c['ours_tokens_per_s']:,.0f} tokens/s, transformers eager "
+                 f"{c['transformers_eager_tokens_per_s']:,.0f} (x{report['ratio_vs_transformers_eager']:.2f})")
+    if report["ratio_vs_transformers_compiled"] is not None:
+        lines[-1] += (f", compiled {c['transformers_compiled_tokens_per_s']:,.0f} "
+                      f"(x{report['ratio_vs_transformers_compiled']:.2f})")
+    return "\n".join(lines)
+
+
+def plot_ladder(report: dict):
+    """Tokens/s and MFU per rung (skipped rungs marked), with transformers' GPT-2 for reference; a Figure."""
+    import matplotlib.pyplot as plt
+
+    rungs = report["rungs"]
+    labels = [r["label"] for r in rungs]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
+    for ax, key, unit in ((ax1, "tokens_per_s", "training tokens/s"), (ax2, "mfu", "MFU (%)")):
+        scale = 100 if key == "mfu" else 1
+        values = [scale * r[key] if r["status"] == "ok" else 0 for r in rungs]
+        bars = ax.bar(range(len(rungs)), values, color=["C0" if r["status"] == "ok" else "0.8" for r in rungs])
+        for bar, r in zip(bars, rungs, strict=True):
+            if r["status"] != "ok":
+                ax.annotate(r["status"], (bar.get_x() + bar.get_width() / 2, 0), ha="center", va="bottom",
+                            rotation=90, fontsize=8, xytext=(0, 3), textcoords="offset points")
+        ax.set_xticks(range(len(rungs)), labels, rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel(unit)
+    c = report["transformers"]
+    if c and c["status"] == "ok":
+        for name, style in (("transformers_eager_tokens_per_s", "--"), ("transformers_compiled_tokens_per_s", ":")):
+            if c[name]:
+                ax1.axhline(c[name], color="C3", linestyle=style,
+                            label=f"transformers GPT-2, {name.split('_')[1]} ({c['best_rung']} settings)")
+        ax1.axhline(c["ours_tokens_per_s"], color="C2", linestyle="-", linewidth=0.8,
+                    label="ours, best rung, timed with transformers")
+        ax1.legend(fontsize=7)
+    ax1.set_title(f"{report['model']}: batch {report['batch']} x {report['ctx']} tokens", fontsize=10)
+    ax2.set_title(f"MFU vs {report['peak_flops'] / 1e12:.3g} TFLOP/s ({report['peak_source']})", fontsize=9)
+    fig.suptitle(report["device_name"])
+    fig.tight_layout()
+    return fig

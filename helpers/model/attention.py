@@ -1,0 +1,353 @@
+"""Causal multi-head self-attention: one module, many implementations, the same weights.
+
+`CausalSelfAttention` stores GPT-2's parameters (a fused `qkv` projection and `out_proj`); its
+`attn_implementation` picks how the forward pass computes with them. `IMPLEMENTATIONS` lists every
+name, so the same weights can run (and be compared, timed and measured) under each:
+
+* layouts written out by hand: a wrapper over single-head attentions, stacked heads with separate
+  Q/K/V projections, the fused QKV projection ("eager", as in GPT-2), einsum;
+* PyTorch's kernels: SDPA with `is_causal=True`, SDPA with an explicit boolean mask,
+  `torch.nn.MultiheadAttention`, FlexAttention;
+* FlashAttention: flash-attn's `flash_attn_func`, and our from-scratch versions in PyTorch and Triton.
+
+An implementation that cannot run for a given device, dtype or shape says why
+(`unavailable_reason`); it is never silently replaced by another.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..system.device import dtype_name
+from ..system.optional import require, version_of
+
+# ---- kernels: q (batch, heads, seq_q, head_dim), k and v (batch, heads, seq_k, head_dim) -> like q ----
+#
+# Every kernel computes causal attention over a square score matrix (training, a whole prompt). The masked ones
+# (eager, sdpa, sdpa_mask) also take `attn_mask` (True = may attend, broadcast to (batch, heads, seq_q, seq_k))
+# with `is_causal=False`: what attention over a KV cache needs (new queries against every cached key).
+
+
+def _future_mask(seq: int, device: torch.device) -> torch.Tensor:
+    """True above the diagonal: the positions a causal query must not see."""
+    return torch.ones(seq, seq, dtype=torch.bool, device=device).triu(diagonal=1)
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    attn_mask: torch.Tensor | None = None, is_causal: bool = True) -> torch.Tensor:
+    """Textbook attention: materialises the (seq x seq) score matrix, so memory grows as T^2."""
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    if is_causal:
+        scores = scores.masked_fill(_future_mask(q.size(-2), q.device), float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return weights @ v
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                   attn_mask: torch.Tensor | None = None, is_causal: bool = True) -> torch.Tensor:
+    """PyTorch's fused kernel; `is_causal=True` (no explicit mask) lets it pick FlashAttention."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
+def sdpa_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                          attn_mask: torch.Tensor | None = None, is_causal: bool = True) -> torch.Tensor:
+    """The same causal attention given as an explicit boolean mask (True = may attend).
+
+    On CUDA an explicit mask rules out SDPA's flash backend (the memory-efficient one runs instead);
+    PyTorch's CPU flash kernel accepts masks. `02_efficient_mha` shows which backend ran.
+    """
+    if is_causal:
+        attn_mask = ~_future_mask(q.size(-2), q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+
+
+def _causal(batch, head, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_block_mask(seq: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(_causal, None, None, seq, seq, device=device)
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """FlexAttention with a causal block mask: fused only under `torch.compile`."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if torch.compiler.is_compiling():  # traced into the graph; the eager cache below is for eager calls
+        block_mask = create_block_mask(_causal, None, None, q.size(-2), q.size(-2), device=q.device)
+        return flex(q, k, v, block_mask=block_mask)
+    block_mask = _causal_block_mask(q.size(-2), str(q.device))
+    with warnings.catch_warnings():  # eager flex warns that it is unfused; the gallery says so
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex(q, k, v, block_mask=block_mask)
+
+
+def flash_attn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """flash-attn's FlashAttention-2; it wants (batch, seq, heads, head_dim)."""
+    flash_attn = require("flash_attn", "attn_implementation='flash_attention_2'")
+    out = flash_attn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                     dropout_p=dropout_p, causal=True)
+    return out.transpose(1, 2)
+
+
+def flash_torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    from .flash_torch import flash_attention_torch
+
+    return flash_attention_torch(q, k, v, causal=True)
+
+
+def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    from .flash_triton import flash_attention_triton
+
+    return flash_attention_triton(q, k, v, causal=True)
+
+
+# ---- forwards: (module, x, dropout_p) -> output (batch, seq, d_model) ----
+
+
+def _split_heads(m: CausalSelfAttention, t: torch.Tensor) -> torch.Tensor:
+    batch, seq, _ = t.shape
+    return t.view(batch, seq, m.n_heads, m.head_dim).transpose(1, 2)
+
+
+def _merge_heads(m: CausalSelfAttention, y: torch.Tensor) -> torch.Tensor:
+    batch, _, seq, _ = y.shape
+    return m.out_proj(y.transpose(1, 2).reshape(batch, seq, m.d_model))
+
+
+def _kernel_forward(kernel: Callable) -> Callable:
+    """One fused QKV matmul, split into heads, the kernel, heads merged, output projection."""
+
+    def forward(m: CausalSelfAttention, x: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        q, k, v = (_split_heads(m, t) for t in m.qkv(x).split(m.d_model, dim=-1))
+        return _merge_heads(m, kernel(q, k, v, dropout_p=dropout_p))
+
+    return forward
+
+
+def _qkv_weights(m: CausalSelfAttention, part: int, rows: slice = slice(None)):
+    """Rows of the fused projection for Q (part 0), K (1) or V (2)."""
+    start = part * m.d_model
+    w = m.qkv.weight[start : start + m.d_model][rows]
+    b = None if m.qkv.bias is None else m.qkv.bias[start : start + m.d_model][rows]
+    return w, b
+
+
+def _wrapper_forward(m: CausalSelfAttention, x: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """A list of single-head causal attentions run one after another, outputs concatenated."""
+    heads = []
+    for h in range(m.n_heads):
+        rows = slice(h * m.head_dim, (h + 1) * m.head_dim)
+        q, k, v = (F.linear(x, *_qkv_weights(m, part, rows)) for part in range(3))
+        heads.append(eager_attention(q, k, v, dropout_p))
+    return m.out_proj(torch.cat(heads, dim=-1))
+
+
+def _stacked_forward(m: CausalSelfAttention, x: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Separate Q, K, V projections (three matmuls), each holding every head's rows stacked."""
+    q, k, v = (_split_heads(m, F.linear(x, *_qkv_weights(m, part))) for part in range(3))
+    return _merge_heads(m, eager_attention(q, k, v, dropout_p))
+
+
+def _einsum_forward(m: CausalSelfAttention, x: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Every contraction written as an einsum over named axes (b batch, t/s positions, h heads)."""
+    w = m.qkv.weight.view(3, m.n_heads, m.head_dim, -1)
+    qkv = torch.einsum("btc,phdc->pbhtd", x, w)
+    if m.qkv.bias is not None:
+        qkv = qkv + m.qkv.bias.view(3, 1, m.n_heads, 1, m.head_dim)
+    q, k, v = qkv
+    scores = torch.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(m.head_dim)
+    weights = torch.softmax(scores.masked_fill(_future_mask(x.size(1), x.device), float("-inf")), dim=-1)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    context = torch.einsum("bhts,bhsd->bhtd", weights, v)
+    out = torch.einsum("bhtd,ohd->bto", context, m.out_proj.weight.view(m.d_model, m.n_heads, m.head_dim))
+    return out if m.out_proj.bias is None else out + m.out_proj.bias
+
+
+def _nn_mha_forward(m: CausalSelfAttention, x: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """`torch.nn.MultiheadAttention` running on this module's own parameters (built on the meta
+    device, so no weights are allocated, then pointed at ours)."""
+    with torch.device("meta"):
+        mha = nn.MultiheadAttention(m.d_model, m.n_heads, dropout=dropout_p, bias=m.qkv.bias is not None,
+                                    batch_first=True)
+    mha.in_proj_weight, mha.in_proj_bias, mha.out_proj = m.qkv.weight, m.qkv.bias, m.out_proj
+    mha.train(m.training)
+    future = _future_mask(x.size(1), x.device)
+    return mha(x, x, x, attn_mask=future, need_weights=False, is_causal=True)[0]
+
+
+# ---- the registry ----
+
+
+@dataclass(frozen=True)
+class AttentionImplementation:
+    name: str
+    description: str
+    forward: Callable[[CausalSelfAttention, torch.Tensor, float], torch.Tensor]
+    supports_dropout: bool = True
+    # The kernel `forward` applies to the module's own QKV projection (None for the layouts that compute their
+    # projections from the weight matrices themselves), and whether it takes an explicit mask: attention over a KV
+    # cache, where new queries see every cached key, needs one.
+    kernel: Callable[..., torch.Tensor] | None = None
+    masked: bool = False
+
+
+def _kernel_implementation(name: str, description: str, kernel: Callable[..., torch.Tensor],
+                           supports_dropout: bool = True, masked: bool = False) -> AttentionImplementation:
+    return AttentionImplementation(name, description, _kernel_forward(kernel), supports_dropout, kernel, masked)
+
+
+IMPLEMENTATIONS: dict[str, AttentionImplementation] = {
+    impl.name: impl
+    for impl in (
+        AttentionImplementation("wrapper", "single-head causal attentions in a loop, concatenated", _wrapper_forward),
+        AttentionImplementation("stacked", "separate Q, K, V projections; heads via view/transpose", _stacked_forward),
+        _kernel_implementation("eager", "fused QKV projection (GPT-2's c_attn), explicit softmax(QK^T)V",
+                               eager_attention, masked=True),
+        AttentionImplementation("einsum", "every contraction as torch.einsum", _einsum_forward),
+        _kernel_implementation("sdpa", "F.scaled_dot_product_attention(is_causal=True)", sdpa_attention,
+                               masked=True),
+        _kernel_implementation("sdpa_mask", "F.scaled_dot_product_attention with an explicit boolean mask",
+                               sdpa_masked_attention, masked=True),
+        AttentionImplementation("nn_mha", "torch.nn.MultiheadAttention(need_weights=False)", _nn_mha_forward),
+        _kernel_implementation("flex_attention", "FlexAttention with a causal block mask (fused when compiled)",
+                               flex_attention, supports_dropout=False),
+        _kernel_implementation("flash_attention_2", "flash-attn's flash_attn_func (CUDA, fp16/bf16)",
+                               flash_attn_attention),
+        _kernel_implementation("flash_torch", "FlashAttention from scratch in PyTorch: tiles, online softmax",
+                               flash_torch_attention, supports_dropout=False),
+        _kernel_implementation("flash_triton", "FlashAttention from scratch in Triton", flash_triton_attention,
+                               supports_dropout=False),
+    )
+}
+
+
+def check_attn_implementation(name: str) -> str:
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attn_implementation {name!r}; valid names: {', '.join(IMPLEMENTATIONS)}")
+    return name
+
+
+def unavailable_reason(
+    name: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    d_in: int | None = None,
+    d_model: int | None = None,
+    backward: bool = False,
+    dropout: float = 0.0,
+    cached: bool = False,
+    sharded: bool = False,
+) -> str | None:
+    """Why `name` cannot run in this setting, or None when it can. `cached`: attention over a KV cache; `sharded`:
+    in a tensor-parallel model, whose projection layers are swapped for sharded ones."""
+    impl = IMPLEMENTATIONS[check_attn_implementation(name)]
+    device = torch.device(device)
+    if sharded and impl.kernel is None:
+        kernels = ", ".join(n for n, i in IMPLEMENTATIONS.items() if i.kernel is not None)
+        return (f"{name} computes its projections from the full weight matrices itself, but tensor parallelism "
+                f"swaps the model's projection layers for sharded ones: use one of {kernels}")
+    if cached and not impl.masked:
+        masked = ", ".join(n for n, i in IMPLEMENTATIONS.items() if i.masked)
+        return (f"{name} computes causal attention over a square score matrix only, and a KV cache needs new "
+                f"queries against every cached key (an explicit mask): use one of {masked}")
+    if dropout > 0.0 and not impl.supports_dropout:
+        return f"{name} has no attention dropout: use dropout=0.0, or 'sdpa'"
+    if name == "nn_mha" and d_in is not None and d_in != d_model:
+        return "nn.MultiheadAttention projects queries within embed_dim, so it needs d_in == d_model"
+    if name == "flex_attention":
+        if device.type not in ("cpu", "cuda"):
+            return f"FlexAttention does not run on {device.type}"
+        if backward and device.type == "cpu":
+            return "FlexAttention has no backward pass on CPU (PyTorch raises NotImplementedError)"
+    if name == "flash_attention_2":
+        if version_of("flash_attn") is None:
+            return "flash-attn is not installed (CUDA GPUs with compute capability 8.0+ only)"
+        if device.type != "cuda":
+            return "flash-attn runs on CUDA GPUs only"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return "flash-attn needs compute capability 8.0+ (Ampere or newer)"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"flash-attn supports float16 and bfloat16, not {dtype_name(dtype)}"
+    if name == "flash_triton":
+        from .flash_triton import triton_unavailable_reason
+
+        return triton_unavailable_reason(device, dtype)
+    return None
+
+
+class KVCacheView(Protocol):
+    """A KV cache as one forward pass sees it (`helpers.inference.kv_cache.KVCache`, the serving engine's `PagedBatch`):
+    where the new tokens sit, and attention over what is cached. The model calls it; nothing else runs the layers."""
+
+    def positions(self, seq: int, device: torch.device) -> torch.Tensor:
+        """Positions of the `seq` new tokens of each sequence (for the position embedding)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Store the new keys and values k, v (batch, heads, new, head_dim) of `layer`; return the attention of the
+        queries q over every key the cache holds for their sequences, computed with `kernel`."""
+
+    def advance(self, seq: int) -> None:
+        """Every layer has stored the `seq` new tokens: they are part of the cache from now on."""
+
+
+class CausalSelfAttention(nn.Module):
+    """GPT-2 attention: a fused QKV projection, attention over all heads, an output projection."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        attn_implementation: str = "sdpa",
+        d_in: int | None = None,
+        layer_idx: int = 0,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx  # which layer's keys and values this module reads and writes in a KV cache
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        self.d_in = d_model if d_in is None else d_in  # input width; a transformer block keeps d_model
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
+        self.attn_dropout = dropout  # on the attention weights, inside the implementation
+        self.attn_implementation = check_attn_implementation(attn_implementation)
+        self.qkv = nn.Linear(self.d_in, 3 * d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, cache: KVCacheView | None = None) -> torch.Tensor:
+        """x (batch, seq, d_in) -> (batch, seq, d_model). With a `cache`, the new keys and values are stored in it and
+        the queries attend over everything it holds (`cache.attend`), through this module's kernel."""
+        name = self.attn_implementation
+        dropout_p = self.attn_dropout if self.training else 0.0
+        backward = torch.is_grad_enabled() and (x.requires_grad or self.qkv.weight.requires_grad)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        reason = unavailable_reason(name, x.device, dtype, self.d_in, self.d_model, backward, dropout_p,
+                                    cached=cache is not None)
+        if reason is not None:
+            raise RuntimeError(f"attn_implementation={name!r} cannot run here: {reason}")
+        impl = IMPLEMENTATIONS[name]
+        if cache is None:
+            return self.resid_dropout(impl.forward(self, x, dropout_p))
+        q, k, v = (_split_heads(self, t) for t in self.qkv(x).split(self.d_model, dim=-1))
+        return self.resid_dropout(_merge_heads(self, cache.attend(self.layer_idx, q, k, v, impl.kernel)))

@@ -1,0 +1,209 @@
+"""GPT-2 in one screen: embeddings, pre-LayerNorm transformer blocks, tied LM head, generation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import CausalSelfAttention, KVCacheView, check_attn_implementation
+from .config import GPTConfig
+from .decoding import check_decoding, check_prompt, check_token_ids, sample_next_token
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP: d -> 4d -> d with GELU (tanh approximation, as GPT-2 was trained)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, 4 * config.d_model, bias=config.bias)
+        self.act = nn.GELU(approximate="tanh")
+        self.proj = nn.Linear(4 * config.d_model, config.d_model, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(self.act(self.fc(x))))
+
+
+def swiglu_hidden_dim(d_model: int, multiple_of: int = 64, tolerance: float = 0.01) -> int:
+    """Hidden width h of a SwiGLU feed-forward with the GELU MLP's parameter count: 3·d·h ≈ 8·d², so h ≈ 8d/3.
+
+    The multiple of 64 nearest 8d/3 (matmul-friendly, as LLaMA rounds to a multiple of 256); on small models,
+    where that misses the GELU MLP's parameter count (biases included) by more than `tolerance`, the largest
+    smaller power-of-two multiple that does not.
+    """
+    gelu = 8 * d_model**2 + 5 * d_model  # weights and biases of d -> 4d -> d
+    while True:
+        hidden = max(multiple_of, round(8 * d_model / 3 / multiple_of) * multiple_of)
+        swiglu = 3 * d_model * hidden + 2 * hidden + d_model
+        if abs(swiglu / gelu - 1) <= tolerance or multiple_of == 1:
+            return hidden
+        multiple_of //= 2
+
+
+class SwiGLUFeedForward(nn.Module):
+    """Gated feed-forward (Shazeer 2020; PaLM, LLaMA): proj(silu(x·W_gate) * (x·W_up)), d -> ~8d/3 -> d.
+
+    Three weight matrices instead of two, so the hidden width shrinks from 4d to about 8d/3 and the parameter
+    count and FLOPs stay those of GPT-2's MLP. `fc` holds the gate and up projections stacked (one matmul).
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        hidden = swiglu_hidden_dim(config.d_model)
+        self.fc = nn.Linear(config.d_model, 2 * hidden, bias=config.bias)
+        self.proj = nn.Linear(hidden, config.d_model, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.dropout(self.proj(F.silu(gate) * up))
+
+
+FEED_FORWARDS = {"gelu": FeedForward, "swiglu": SwiGLUFeedForward}  # by GPTConfig.ffn_type
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig, attn_implementation: str, layer_idx: int = 0) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.attn = CausalSelfAttention(
+            config.d_model, config.n_heads, config.dropout, config.bias, attn_implementation, layer_idx=layer_idx
+        )
+        self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.mlp = FEED_FORWARDS[config.ffn_type](config)
+
+    def forward(self, x: torch.Tensor, cache: KVCacheView | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2-architecture language model; `forward` maps token ids to next-token logits."""
+
+    def __init__(self, config: GPTConfig, attn_implementation: str = "sdpa") -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.context_length, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(config, attn_implementation, layer_idx=i) for i in range(config.n_layers)
+        )
+        self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 * n_layers),
+        # so the residual's variance does not grow with depth.
+        for block in self.blocks:
+            for proj in (block.attn.out_proj, block.mlp.proj):
+                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    @property
+    def attn_implementation(self) -> str:
+        return self.blocks[0].attn.attn_implementation
+
+    def set_attn_implementation(self, name: str) -> GPT:
+        """Switch the attention kernel in place; weights are untouched."""
+        check_attn_implementation(name)
+        for block in self.blocks:
+            block.attn.attn_implementation = name
+        return self
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count; a tied LM head is counted once (as GPT-2's 124M is)."""
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields shared tensors once
+        if exclude_embeddings:
+            n -= self.pos_emb.weight.numel() + self.tok_emb.weight.numel()
+        return n
+
+    def forward(self, idx: torch.Tensor, cache: KVCacheView | None = None,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (batch, seq) -> logits (batch, seq, vocab_size).
+
+        cache: a KV cache (`helpers.inference.kv_cache.KVCache`, the serving engine's paged batch): idx holds
+        only the new tokens, which attend over everything cached, and their keys and values are added to it
+        (inference only).
+        logits_at: positions along seq whose logits are wanted (e.g. the last one when decoding): the LM head, the
+        largest matmul of a small model, then skips the others.
+        A pipeline stage (`helpers.parallel.pipeline.pipeline_stage`) has no embeddings before its first stage and
+        no head after its last: it then takes and returns activations (batch, seq, d_model).
+        """
+        if self.tok_emb is not None:
+            x = self.embed(idx, cache)
+        elif idx.dim() != 3 or idx.size(-1) != self.config.d_model:
+            raise ValueError(f"this pipeline stage takes activations (batch, seq, {self.config.d_model}), got shape "
+                             f"{tuple(idx.shape)}")
+        else:
+            x = idx
+        for block in self.blocks:
+            x = block(x, cache)
+        if cache is not None:
+            cache.advance(x.size(1))
+        if self.lm_head is None:
+            return x
+        if logits_at is not None:
+            x = x[:, logits_at]
+        return self.lm_head(self.ln_f(x))
+
+    def embed(self, idx: torch.Tensor, cache: KVCacheView | None = None) -> torch.Tensor:
+        """Token plus position embeddings of `idx` (batch, seq), at the cache's next positions when given."""
+        if idx.dim() != 2:
+            raise ValueError(f"expected token ids of shape (batch, seq), got shape {tuple(idx.shape)}")
+        seq = idx.size(1)
+        if cache is None and seq > self.config.context_length:
+            raise ValueError(
+                f"input has {seq} tokens but the context length is {self.config.context_length}; "
+                "truncate the input or use a config with a longer context_length"
+            )
+        if cache is not None and self.training and self.config.dropout > 0:
+            raise ValueError("a KV cache is for inference: call model.eval() first (dropout is on)")
+        check_token_ids(idx, self.config.vocab_size)
+        pos = torch.arange(seq, device=idx.device) if cache is None else cache.positions(seq, idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Append `max_new_tokens` tokens to `idx` (batch, seq).
+
+        temperature 0 is greedy decoding; otherwise sample from softmax(logits / temperature),
+        restricted to the `top_k` most likely tokens when given. Once the sequence is longer than
+        the context, the model sees its last `context_length` tokens (a sliding window).
+        """
+        check_prompt(idx, self.config.vocab_size)
+        check_decoding(max_new_tokens, temperature, top_k, self.config.vocab_size)
+        ctx = self.config.context_length
+        if idx.size(1) > ctx:
+            raise ValueError(
+                f"the prompt has {idx.size(1)} tokens but the context length is {ctx}; "
+                f"shorten the prompt (e.g. keep its last {ctx} tokens)"
+            )
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                next_id = sample_next_token(self(idx[:, -ctx:])[:, -1, :], temperature, top_k, generator)
+                idx = torch.cat([idx, next_id], dim=1)
+        finally:
+            self.train(was_training)
+        return idx

@@ -1,0 +1,296 @@
+"""GPT-2 weights in the Hugging Face layout, loaded into (and exported from) `helpers.GPT`.
+
+Hugging Face's GPT-2 files (`model.safetensors` of openai-community/gpt2, gpt2-medium, gpt2-large,
+gpt2-xl) name tensors `wte.weight`, `h.{i}.attn.c_attn.weight`, ... -- with a `transformer.` prefix when
+saved from `GPT2LMHeadModel` -- and store every linear layer as a `Conv1D`, whose weight is (in, out): the
+transpose of `nn.Linear`'s (out, in). Older files also carry the causal-mask buffers `attn.bias` and
+`attn.masked_bias`, which our model computes instead. Otherwise the names map one to one (`hf_names`).
+The file's header gives every shape without reading the data, so sizes are checked before anything loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..system.files import atomic_path
+from .config import GPT2_VOCAB_SIZE, PRESETS, GPTConfig
+from .gpt import GPT
+from .loading import tie_weights
+
+HF_PREFIX = "transformer."
+HF_BUFFERS = ("attn.bias", "attn.masked_bias")  # causal-mask buffers of old files: recomputed, not loaded
+GPT2_REPOSITORY = "openai-community/gpt2"
+EXPORTED_CONFIG = "helpers.config_json"  # safetensors metadata key: the config.json written with these weights
+
+_TOP = {"tok_emb.weight": "wte.weight", "pos_emb.weight": "wpe.weight", "ln_f.weight": "ln_f.weight",
+        "ln_f.bias": "ln_f.bias"}
+_BLOCK = {  # ours, after `blocks.{i}.` -> Hugging Face's, after `h.{i}.`
+    "ln1.weight": "ln_1.weight", "ln1.bias": "ln_1.bias",
+    "attn.qkv.weight": "attn.c_attn.weight", "attn.qkv.bias": "attn.c_attn.bias",
+    "attn.out_proj.weight": "attn.c_proj.weight", "attn.out_proj.bias": "attn.c_proj.bias",
+    "ln2.weight": "ln_2.weight", "ln2.bias": "ln_2.bias",
+    "mlp.fc.weight": "mlp.c_fc.weight", "mlp.fc.bias": "mlp.c_fc.bias",
+    "mlp.proj.weight": "mlp.c_proj.weight", "mlp.proj.bias": "mlp.c_proj.bias",
+}
+_CONV1D = {"attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"}
+# activation_function values that are GPT-2's tanh-approximated GELU, the one helpers.GPT implements
+_TANH_GELU = {"gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
+
+
+class WeightsError(ValueError):
+    """A file's tensors or config do not fit the model: which tensor, expected against found, and what to do."""
+
+
+class WeightsUnavailable(RuntimeError):
+    """Pretrained weights could not be downloaded (offline, or the Hub unreachable) and are not cached."""
+
+
+def hf_names(config: GPTConfig) -> dict[str, str]:
+    """Our parameter names -> Hugging Face's (without the `transformer.` prefix)."""
+    names = dict(_TOP)
+    for i in range(config.n_layers):
+        names.update({f"blocks.{i}.{ours}": f"h.{i}.{theirs}" for ours, theirs in _BLOCK.items()})
+    if not config.tie_weights:
+        names["lm_head.weight"] = "lm_head.weight"
+    return names
+
+
+def is_conv1d(hf_name: str) -> bool:
+    """True for the weights Hugging Face stores as (in, out), which nn.Linear holds transposed."""
+    return hf_name.split(".", 2)[-1] in _CONV1D
+
+
+def expected_hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The shape each Hugging Face tensor must have for `config` (computed on the meta device: no memory)."""
+    _check_gpt2_architecture(config)
+    with torch.device("meta"):
+        ours = GPT(config).state_dict()
+    return {theirs: tuple(ours[name].shape[::-1] if is_conv1d(theirs) else ours[name].shape)
+            for name, theirs in hf_names(config).items()}
+
+
+def _check_gpt2_architecture(config: GPTConfig) -> None:
+    if not config.bias:
+        raise WeightsError("GPT-2's layout has biases in every linear and LayerNorm layer; use a config with bias=True")
+    if getattr(config, "ffn_type", "gelu") != "gelu":
+        raise WeightsError(f"GPT-2's layout has the GELU MLP, not ffn_type={config.ffn_type!r}; use ffn_type='gelu'")
+
+
+def _strip(name: str) -> str:
+    return name.removeprefix(HF_PREFIX)
+
+
+def _matching_preset(config: GPTConfig) -> str | None:
+    fields = ("vocab_size", "context_length", "d_model", "n_layers")
+    return next((name for name, p in PRESETS.items() if name.startswith("gpt2")
+                 and all(getattr(p, f) == getattr(config, f) for f in fields)), None)
+
+
+def config_from_hf(shapes: Mapping[str, tuple[int, ...]], hf_config: Mapping | None = None,
+                   n_heads: int | None = None, source: str = "the file") -> GPTConfig:
+    """Infer the architecture from tensor shapes (names without prefix) and, when given, the file's config.json.
+
+    The number of heads is not visible in any shape: it comes from config.json (`n_head`), `n_heads`, or the
+    GPT-2 size with the same width and depth.
+    """
+    for name in ("wte.weight", "wpe.weight"):
+        if name not in shapes:
+            raise WeightsError(f"{source} has no tensor {name!r}: not a GPT-2 checkpoint in the Hugging Face layout")
+    hf_config = dict(hf_config or {})
+    activation = hf_config.get("activation_function", "gelu_new")
+    if activation not in _TANH_GELU:
+        raise WeightsError(f"{source}: activation_function={activation!r}, but helpers.GPT implements GPT-2's "
+                           f"tanh-approximated GELU ({', '.join(sorted(_TANH_GELU))}); use transformers for this model")
+    eps = hf_config.get("layer_norm_epsilon", 1e-5)
+    if eps != 1e-5:
+        raise WeightsError(f"{source}: layer_norm_epsilon={eps}, but helpers.GPT uses 1e-5; use transformers")
+    if hf_config.get("scale_attn_by_inverse_layer_idx"):
+        raise WeightsError(f"{source}: scale_attn_by_inverse_layer_idx is set, which helpers.GPT does not do")
+    vocab_size, d_model = shapes["wte.weight"]
+    n_layers = 1 + max((int(name.split(".")[1]) for name in shapes if name.startswith("h.")), default=-1)
+    if n_layers == 0:
+        raise WeightsError(f"{source} has no transformer blocks (tensors h.0.*): not a GPT-2 checkpoint")
+    inner = hf_config.get("n_inner")
+    if inner not in (None, 4 * d_model):
+        raise WeightsError(f"{source}: n_inner={inner}, but helpers.GPT's MLP is 4 x d_model = {4 * d_model} wide")
+    fields = dict(vocab_size=vocab_size, context_length=shapes["wpe.weight"][0], d_model=d_model,
+                  n_layers=n_layers, tie_weights=bool(hf_config.get("tie_word_embeddings",
+                                                                            "lm_head.weight" not in shapes)))
+    if "resid_pdrop" in hf_config:
+        fields["dropout"] = float(hf_config["resid_pdrop"])
+    heads = hf_config.get("n_head", n_heads)
+    if heads is None:
+        preset = _matching_preset(GPTConfig(**fields, n_heads=1))
+        if preset is None:
+            raise WeightsError(f"{source}: the number of heads is not in the tensor shapes and there is no "
+                               "config.json beside it; pass n_heads=... (or the matching preset)")
+        heads = PRESETS[preset].n_heads
+    return GPTConfig(**fields, n_heads=heads)
+
+
+def check_against(config: GPTConfig, preset: str | GPTConfig, source: str = "the file") -> GPTConfig:
+    """Return the preset's config (a name or a GPTConfig) if the file's architecture matches it; else say which
+    sizes differ and which preset would fit."""
+    wanted = _as_config(preset)
+    fields = ("vocab_size", "context_length", "d_model", "n_heads", "n_layers", "tie_weights")
+    diff = [f for f in fields if getattr(config, f) != getattr(wanted, f)]
+    if diff:
+        found = ", ".join(f"{f} {getattr(config, f)}" for f in diff)
+        expected = ", ".join(f"{f} {getattr(wanted, f)}" for f in diff)
+        match = _matching_preset(config)
+        fix = f"pass preset={match!r}" if match else "pass preset=None"
+        name = repr(preset) if isinstance(preset, str) else "the given config"
+        raise WeightsError(f"{source} holds a model with {found}, but {name} has {expected}: "
+                           f"{fix} (None: use the file's own sizes)")
+    return wanted
+
+
+def _as_config(preset: str | GPTConfig) -> GPTConfig:
+    return GPTConfig.from_preset(preset) if isinstance(preset, str) else preset
+
+
+def check_hf_shapes(shapes: Mapping[str, tuple[int, ...]], config: GPTConfig, source: str = "the file") -> None:
+    """Every tensor GPT-2 needs is there with its shape, and nothing else is (mask buffers aside)."""
+    expected = expected_hf_shapes(config)
+    missing = [name for name in expected if name not in shapes]
+    if missing:
+        raise WeightsError(f"{source} lacks {len(missing)} tensor(s) of this GPT-2, e.g. {missing[0]!r}: "
+                           "it is incomplete or another architecture; re-download it or pass the matching preset")
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != shape:
+            layout = " (a Conv1D weight, stored (in, out))" if is_conv1d(name) else ""
+            raise WeightsError(f"{source}: tensor {name!r}{layout} has shape {tuple(shapes[name])}, expected {shape} "
+                               "for this config; pass the file's preset, or preset=None to infer it from the file")
+    extra = [n for n in shapes if n not in expected and not n.endswith(HF_BUFFERS)
+             and not (n == "lm_head.weight" and config.tie_weights)]
+    if extra:
+        raise WeightsError(f"{source} has {len(extra)} tensor(s) GPT-2 does not, e.g. {extra[0]!r}: "
+                           "it is another architecture; load it with transformers instead")
+
+
+def _locate(path: str | os.PathLike) -> tuple[Path, dict | None]:
+    path = Path(path)
+    file = path / "model.safetensors" if path.is_dir() else path
+    if not file.is_file():
+        raise WeightsError(f"no safetensors file at {file}; give the model.safetensors file or its folder "
+                           "(sharded or .bin checkpoints: convert them with transformers' save_pretrained first)")
+    config_json = file.parent / "config.json"
+    return file, json.loads(config_json.read_text()) if config_json.is_file() else None
+
+
+def load_hf_gpt2(path: str | os.PathLike, preset: str | GPTConfig | None = None, *, n_heads: int | None = None,
+                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 attn_implementation: str = "sdpa") -> GPT:
+    """A `helpers.GPT` with the weights of a Hugging Face GPT-2 `model.safetensors` (or the folder holding it).
+
+    preset: check the file against this configuration (a name or a GPTConfig); None infers it from the file.
+    The model is built on the meta device and each tensor is read, transposed where needed and placed on
+    `device` one at a time, so no random initialisation and no second full copy happen.
+    """
+    file, hf_config = _locate(path)
+    with safe_open(file, framework="pt", device="cpu") as f:
+        exported = json.loads((f.metadata() or {}).get(EXPORTED_CONFIG, "{}"))
+        differ = sorted(k for k, v in exported.items() if hf_config is not None and hf_config.get(k) != v)
+        if differ:
+            raise WeightsError(f"{file.parent / 'config.json'} is not the config these weights were exported with "
+                               f"({', '.join(differ)} differ): an export into this folder was interrupted or the "
+                               "files come from different models; export the model again")
+        stored = {_strip(k): k for k in f.keys()}
+        shapes = {name: tuple(f.get_slice(key).get_shape()) for name, key in stored.items()}
+        if n_heads is None and preset is not None:
+            n_heads = _as_config(preset).n_heads
+        config = config_from_hf(shapes, hf_config, n_heads, source=str(file))
+        if preset is not None:
+            config = check_against(config, preset, source=str(file))
+        check_hf_shapes(shapes, config, source=str(file))
+        with torch.device("meta"):
+            model = GPT(config, attn_implementation=attn_implementation)
+        for ours, theirs in hf_names(config).items():
+            tensor = f.get_tensor(stored[theirs])
+            tensor = tensor.t() if is_conv1d(theirs) else tensor
+            tensor = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()
+            model.load_state_dict({ours: tensor}, strict=False, assign=True)
+    return tie_weights(model).eval()
+
+
+def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """The model's weights under GPT2LMHeadModel's names and layouts (Conv1D weights transposed)."""
+    _check_gpt2_architecture(model.config)
+    ours = model.state_dict()
+    out = {}
+    for name, theirs in hf_names(model.config).items():
+        tensor = ours[name].detach()
+        prefix = "" if theirs == "lm_head.weight" else HF_PREFIX
+        out[prefix + theirs] = (tensor.t() if is_conv1d(theirs) else tensor).contiguous()
+    return out
+
+
+def hf_config_dict(config: GPTConfig) -> dict:
+    """A config.json that transformers reads as the same GPT-2."""
+    out = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=config.vocab_size,
+               n_positions=config.context_length, n_embd=config.d_model, n_layer=config.n_layers,
+               n_head=config.n_heads, n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+               resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
+               scale_attn_weights=True, tie_word_embeddings=config.tie_weights)
+    special = GPT2_VOCAB_SIZE - 1 if config.vocab_size == GPT2_VOCAB_SIZE else None  # GPT-2's <|endoftext|>
+    return out | dict(bos_token_id=special, eos_token_id=special)
+
+
+def save_hf_gpt2(model: GPT, directory: str | os.PathLike) -> Path:
+    """Write `model.safetensors` and `config.json` that `GPT2LMHeadModel.from_pretrained(directory)` loads.
+
+    Each file is replaced atomically, but not the pair: the weights carry a copy of their config.json in the file's
+    metadata, so an export interrupted between the two (new weights, the previous config.json) is refused on load
+    instead of running the new weights with, say, the old number of heads.
+    """
+    directory = Path(directory)
+    tensors = hf_state_dict(model)
+    config = hf_config_dict(model.config)
+    with atomic_path(directory / "model.safetensors") as tmp:
+        save_file({k: t.cpu() for k, t in tensors.items()}, tmp,
+                  metadata={"format": "pt", EXPORTED_CONFIG: json.dumps(config, sort_keys=True)})
+    with atomic_path(directory / "config.json") as tmp:
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+def _hub_reachable(url: str, timeout: float) -> bool:
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return True  # the server answered (an error status is the Hub's to explain)
+    except (urllib.error.URLError, OSError):
+        return False
+    return True
+
+
+def download_gpt2(repo_id: str = GPT2_REPOSITORY, cache_dir: str | os.PathLike | None = None,
+                  endpoint: str | None = None, timeout: float = 5.0) -> Path:
+    """The folder with `model.safetensors` and `config.json` of a GPT-2 on the Hugging Face Hub (cached).
+
+    Offline it fails within `timeout` seconds (the Hub client would otherwise retry for about half a minute),
+    unless the files are already cached; `HF_HUB_OFFLINE=1` skips the network altogether.
+    """
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    endpoint = endpoint or constants.ENDPOINT
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"}
+    online = not offline and _hub_reachable(f"{endpoint}/api/models/{repo_id}", timeout)
+    try:
+        files = [hf_hub_download(repo_id, name, cache_dir=cache_dir, endpoint=endpoint, etag_timeout=timeout,
+                                 local_files_only=not online) for name in ("config.json", "model.safetensors")]
+    except LocalEntryNotFoundError as err:
+        why = "HF_HUB_OFFLINE is set" if offline else f"{endpoint} is unreachable"
+        raise WeightsUnavailable(f"{repo_id} is not cached and {why}; connect once (or run "
+                                 f"`hf download {repo_id}`) to cache it") from err
+    return Path(files[-1]).parent

@@ -1,0 +1,1 @@
+"""Training: the one loss and training step, the Trainer, learning-rate schedules, safe checkpoints."""

@@ -1,0 +1,129 @@
+"""One loss and one training step, for every loop of the course: the Trainer, the speed ladder, the batch-size finder,
+the memory probes and the distributed scripts.
+
+* The loss is next-token cross-entropy summed over target tokens (`IGNORE_INDEX` carries none), in fp32 at least:
+  a bf16/fp16 log-softmax over 50k classes loses the small probabilities that carry the gradient.
+* A step's loss is the mean over *every target token of all its micro-batches*: each micro-batch's backward gets
+  (its summed token losses) / (the step's target tokens). Averaging per-micro-batch means instead weights a token
+  of a short micro-batch more than one of a long one (the bug fixed in transformers' Trainer in 2024).
+* Mixed precision: the forward under `torch.autocast`; fp16 also scales the loss with a `torch.amp.GradScaler`,
+  whose gradients are unscaled before clipping, and whose step is skipped when they overflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..system.device import needs_grad_scaler
+
+IGNORE_INDEX = -100  # targets with this id (padding) carry no loss, as in F.cross_entropy
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """Summed cross-entropy over the target tokens (IGNORE_INDEX skipped), in fp32 at least. `vocab_size`: only the
+    first logits are classes (an LM head padded to a friendlier width trains as the unpadded one)."""
+    if vocab_size is not None:
+        logits = logits[..., :vocab_size]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the target tokens of a batch."""
+    return token_loss_sum(logits, targets) / (targets != IGNORE_INDEX).sum()
+
+
+def autocast_context(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """torch.autocast to `dtype`, or nothing for plain fp32 (None)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def accumulate_gradients(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                         scaler: torch.amp.GradScaler | None = None,
+                         loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                         ) -> tuple[float, int]:
+    """Backpropagate the step's loss — the mean over every target token of all micro-batches — one micro-batch at a
+    time; returns (that mean loss, the number of target tokens).
+
+    `loss_sum(x, y)`: the forward and the summed token loss of a micro-batch (default: `model` under `autocast`,
+    then `token_loss_sum`); a compiled one, or one for another model's output, fits in.
+    """
+    if loss_sum is None:
+        def loss_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with autocast():
+                logits = model(x)
+            return token_loss_sum(logits, y)
+    n_tokens = int(sum((y != IGNORE_INDEX).sum() for _, y in micro_batches))
+    if n_tokens == 0:
+        raise ValueError("the micro-batches hold no target tokens (all are IGNORE_INDEX): nothing to learn from")
+    total = None
+    for x, y in micro_batches:
+        summed = loss_sum(x, y)
+        loss = summed / n_tokens
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = summed.detach() if total is None else total + summed.detach()
+    return total.item() / n_tokens, n_tokens
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # mean over the step's target tokens
+    tokens: int  # target tokens in the step
+    grad_norm: float | None  # global gradient norm before clipping (None when neither clipped nor measured)
+
+
+class TrainingStep:
+    """One optimizer step of `model`: its micro-batches forward and backward (`accumulate_gradients`), gradient
+    clipping, then `optimizer` (through a GradScaler when `autocast` is fp16). A failed step leaves no gradients.
+
+    autocast: the forward's autocast dtype, None for plain fp32. grad_clip: max global gradient norm (None: no
+    clipping); measure_grad_norm: compute the norm even without clipping. compile: `torch.compile` the forward and
+    loss. forward: (model, token ids) -> logits, for a model that returns something else (transformers' GPT-2).
+    vocab_size: only the first logits are classes (a padded LM head).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, autocast: torch.dtype | None = None,
+                 grad_clip: float | None = None, measure_grad_norm: bool = False, compile: bool = False,
+                 forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+                 vocab_size: int | None = None) -> None:
+        if grad_clip is not None and not grad_clip > 0:
+            raise ValueError(f"grad_clip must be positive or None, got {grad_clip}")
+        self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
+        self.measure_grad_norm = measure_grad_norm or grad_clip is not None
+        self.device_type = next(model.parameters()).device.type
+        self.autocast, self.vocab_size = autocast, vocab_size
+        self.forward = forward or (lambda m, x: m(x))
+        self.scaler = torch.amp.GradScaler(self.device_type, enabled=needs_grad_scaler(autocast))
+        self.loss_sum = torch.compile(self._loss_sum) if compile else self._loss_sum
+
+    def _loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with autocast_context(self.device_type, self.autocast):
+            logits = self.forward(self.model, x)
+        return token_loss_sum(logits, y, self.vocab_size)
+
+    def __call__(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        scaler = self.scaler if self.scaler.is_enabled() else None
+        try:
+            loss, tokens = accumulate_gradients(self.model, micro_batches, scaler=scaler, loss_sum=self.loss_sum)
+            grad_norm = None
+            if self.measure_grad_norm:
+                if scaler is not None:
+                    scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+                params = [p for group in self.optimizer.param_groups for p in group["params"]]
+                max_norm = self.grad_clip if self.grad_clip is not None else math.inf
+                grad_norm = float(nn.utils.clip_grad_norm_(params, max_norm))
+            self.scaler.step(self.optimizer)  # skipped when fp16 gradients hold inf/NaN; the scale then backs off
+            self.scaler.update()
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss, tokens, grad_norm)

@@ -1,0 +1,350 @@
+"""The pretraining loop: exact gradient accumulation, mixed precision, a warm-up + decay learning rate, gradient
+clipping, periodic evaluation and samples, atomic checkpoints and an exact resume.
+
+Exact resume means that training N steps gives the same parameters as training k steps, saving, loading into a
+fresh process and training N - k more: the checkpoint holds the model, the optimizer, the gradient scaler, the
+schedule's step, every random-number generator and the data position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..system.device import (
+    DeviceCapabilities,
+    autocast_dtype,
+    check_dtype,
+    default_device_type,
+    detect_capabilities,
+    dtype_name,
+    needs_grad_scaler,
+    synchronize,
+)
+from ..text.data import NextTokenDataset
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .lr_schedule import check_schedule, learning_rate
+from .step import IGNORE_INDEX, TrainingStep, autocast_context, token_loss_sum
+
+PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TrainConfig:
+    """What a training run does; saved in its checkpoints."""
+
+    steps: int  # optimizer steps in the whole run (the schedule's length)
+    batch_size: int = 8  # sequences per micro-batch
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 0
+    schedule: str = "cosine"  # see helpers.training.lr_schedule.SCHEDULES
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float | None = 1.0  # max global gradient norm; None: no clipping
+    precision: str = "auto"  # auto | float32 | bfloat16 | float16
+    eval_interval: int = 0  # 0: evaluate only after the last step
+    eval_batches: int = 8
+    sample_interval: int = 0  # 0: no samples during training
+    sample_prompt: str = "\n"
+    sample_tokens: int = 32
+    checkpoint_path: str | None = None
+    checkpoint_interval: int = 0  # 0: checkpoint only after the last step (when checkpoint_path is set)
+    seed: int = 0
+    device: str | None = None  # None: CUDA, else MPS, else CPU
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum_steps", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be 1 or more, got {getattr(self, name)}")
+        for name in ("eval_interval", "sample_interval", "checkpoint_interval", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be 0 or more, got {getattr(self, name)}")
+        check_schedule(self.schedule, self.lr, self.steps, self.warmup_steps, self.min_lr)
+        if self.precision != "auto" and self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; valid: auto, {', '.join(PRECISIONS)}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"grad_clip must be positive or None, got {self.grad_clip}")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The autocast dtype of a run (None: plain fp32) and whether it needs loss scaling."""
+
+    device_type: str
+    dtype: torch.dtype | None
+
+    @property
+    def name(self) -> str:
+        return dtype_name(self.dtype)
+
+    @property
+    def needs_scaler(self) -> bool:
+        return needs_grad_scaler(self.dtype)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast_context(self.device_type, self.dtype)
+
+
+def resolve_precision(precision: str, caps: DeviceCapabilities) -> Precision:
+    """"auto": bf16 where native, fp16 on tensor-core GPUs without bf16, fp32 elsewhere (helpers.system.device);
+    an explicit dtype the device cannot run natively is refused with what to use instead."""
+    if precision == "auto":
+        return Precision(caps.device_type, autocast_dtype(caps))
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; valid: auto, {', '.join(PRECISIONS)}")
+    dtype = PRECISIONS[precision]
+    return Precision(caps.device_type, dtype if dtype is None else check_dtype(caps, dtype))
+
+
+class ShuffledBatches:
+    """Epochs of shuffled, non-overlapping context windows. Its position (epoch, batch index) is saved with a
+    checkpoint, so a resumed run sees exactly the batches the uninterrupted run would have seen."""
+
+    def __init__(self, ids: torch.Tensor, batch_size: int, context_length: int, seed: int = 0) -> None:
+        self.dataset = NextTokenDataset(ids, context_length)
+        if len(self.dataset) < batch_size:
+            raise ValueError(f"{len(self.dataset)} windows of {context_length} tokens cannot fill one batch of "
+                             f"{batch_size}; use a smaller batch or context, or more text")
+        self.batch_size, self.seed = batch_size, seed
+        self.batches_per_epoch = len(self.dataset) // batch_size  # the remainder is dropped each epoch
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.index == self.batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        chosen = self._order[self.index * self.batch_size : (self.index + 1) * self.batch_size]
+        self.index += 1
+        return _stack_windows(self.dataset, chosen)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "batch_size": self.batch_size,
+                "windows": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        for key in ("seed", "batch_size", "windows"):
+            if state[key] != mine[key]:
+                raise CheckpointError(f"the checkpoint's data order has {key} = {state[key]}, this run {mine[key]}: "
+                                      "resume with the same data, batch_size and seed")
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._permutation(self.epoch)
+
+
+def evaluation_windows(ids: torch.Tensor, context_length: int, n_windows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same `n_windows` windows, evenly spread over the validation text, at every evaluation."""
+    dataset = NextTokenDataset(ids, context_length)
+    picks = torch.linspace(0, len(dataset) - 1, min(n_windows, len(dataset))).long().unique()
+    return _stack_windows(dataset, picks)
+
+
+def _stack_windows(dataset: NextTokenDataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    windows = [dataset[int(i)] for i in indices]
+    return torch.stack([x for x, _ in windows]), torch.stack([y for _, y in windows])
+
+
+def _rng_states() -> dict:
+    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def make_optimizer(model: nn.Module, config: TrainConfig, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings only: decaying biases and LayerNorm gains towards 0
+    only fights the normalisation (GPT-2 / nanoGPT practice)."""
+    params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))  # a tied weight once
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), fused=fused)
+
+
+class Trainer:
+    """Trains a `helpers.GPT` on a token stream; `fit()` runs to `config.steps` (or fewer), `save()`/`load()`
+    checkpoint and resume, `history` holds the curves and samples."""
+
+    def __init__(self, model: nn.Module, train_ids: torch.Tensor, val_ids: torch.Tensor | None, config: TrainConfig,
+                 tokenizer=None, fused_adamw: bool | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.device or default_device_type())
+        self.precision = resolve_precision(config.precision, detect_capabilities(self.device.type))
+        self.model = model.to(self.device)
+        self.context_length = model.config.context_length
+        self.tokenizer = tokenizer
+        self.optimizer = make_optimizer(self.model, config, fused=fused_adamw)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.training_step = TrainingStep(self.model, self.optimizer, autocast=self.precision.dtype,
+                                          grad_clip=config.grad_clip, measure_grad_norm=True)
+        self.scaler = self.training_step.scaler
+        self.batches = ShuffledBatches(train_ids, config.batch_size, self.context_length, config.seed)
+        self.val = None if val_ids is None else evaluation_windows(
+            val_ids, self.context_length, config.eval_batches * config.batch_size)
+        self.step = 0
+        self.history: dict[str, list] = {key: [] for key in (
+            "step", "loss", "lr", "grad_norm", "tokens_per_s", "val_step", "val_loss", "samples")}
+        torch.manual_seed(config.seed)  # dropout masks: the same stream in every run with this seed
+        random.seed(config.seed)
+
+    def _lr_factor(self, step: int) -> float:
+        c = self.config
+        return learning_rate(step, c.lr, c.steps, c.warmup_steps, c.min_lr, c.schedule) / c.lr
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.batch_size * self.config.grad_accum_steps * self.context_length
+
+    def train_step(self) -> dict:
+        """One optimizer step over `grad_accum_steps` micro-batches."""
+        start = time.perf_counter()
+        self.model.train()
+        micro = [tuple(t.to(self.device, non_blocking=True) for t in self.batches.next())
+                 for _ in range(self.config.grad_accum_steps)]
+        lr = self.optimizer.param_groups[0]["lr"]
+        result = self.training_step(micro)
+        loss, grad_norm = result.loss, result.grad_norm
+        self.scheduler.step()
+        self.step += 1
+        synchronize(self.device)
+        record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s": self.tokens_per_step / (time.perf_counter() - start)}
+        for key, value in record.items():
+            self.history[key].append(value)
+        return record
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss on the fixed validation windows (no dropout)."""
+        if self.val is None:
+            raise ValueError("this Trainer has no validation data; pass val_ids")
+        was_training = self.model.training
+        self.model.eval()
+        total, count = 0.0, 0
+        x_all, y_all = self.val
+        for i in range(0, len(x_all), self.config.batch_size):
+            x, y = x_all[i : i + self.config.batch_size].to(self.device), y_all[i : i + self.config.batch_size]
+            with self.precision.autocast():
+                logits = self.model(x)
+            total += token_loss_sum(logits, y.to(self.device)).item()
+            count += int((y != IGNORE_INDEX).sum())
+        self.model.train(was_training)
+        loss = total / count
+        self.history["val_step"].append(self.step)
+        self.history["val_loss"].append(loss)
+        return loss
+
+    def sample(self, prompt: str | None = None, max_new_tokens: int | None = None, temperature: float = 0.8,
+               top_k: int | None = 40) -> str:
+        """A continuation of the prompt, drawn with its own generator so training's random streams are untouched."""
+        if self.tokenizer is None:
+            raise ValueError("sampling needs a tokenizer: pass tokenizer=helpers.get_tokenizer() to the Trainer")
+        prompt = self.config.sample_prompt if prompt is None else prompt
+        ids = torch.tensor([self.tokenizer.encode_ordinary(prompt)], device=self.device)
+        generator = torch.Generator(self.device).manual_seed(self.config.seed)
+        with self.precision.autocast():
+            out = self.model.generate(ids, max_new_tokens or self.config.sample_tokens, temperature=temperature,
+                                      top_k=top_k, generator=generator)
+        text = self.tokenizer.decode(out[0, ids.size(1):].tolist())
+        self.history["samples"].append((self.step, text))
+        return text
+
+    def fit(self, until_step: int | None = None, progress: bool = True) -> dict:
+        """Train up to optimizer step `until_step` (default: the whole run), evaluating, sampling and
+        checkpointing at the configured intervals; returns the history."""
+        c = self.config
+        until_step = c.steps if until_step is None else until_step
+        if not self.step <= until_step <= c.steps:
+            raise ValueError(f"until_step must be in [{self.step} (done), {c.steps} (the run's length)], "
+                             f"got {until_step}")
+        bar = _progress(range(self.step, until_step), progress, "train")
+        for _ in bar:
+            record = self.train_step()
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.1e}", refresh=False)
+            last = self.step == c.steps
+            if self.val is not None and ((c.eval_interval and self.step % c.eval_interval == 0) or last):
+                self.evaluate()
+            if self.tokenizer is not None and c.sample_interval and (self.step % c.sample_interval == 0 or last):
+                self.sample()
+            if c.checkpoint_path and ((c.checkpoint_interval and self.step % c.checkpoint_interval == 0) or last):
+                self.save(c.checkpoint_path)
+        return self.history
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "model_config": asdict(self.model.config),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(), "data": self.batches.state_dict(), "rng": _rng_states(),
+                "step": self.step, "train_config": asdict(self.config), "history": self.history}
+
+    def save(self, path: str | Path) -> Path:
+        """Write a checkpoint atomically (temporary file, then rename; with a .sha256 file): a crash while
+        saving leaves the previous checkpoint intact."""
+        return save_checkpoint(self.state_dict(), path)
+
+    def load(self, path: str | Path) -> int:
+        """Restore everything `save` wrote; returns the step to continue from."""
+        state = load_checkpoint(path, map_location=self.device)
+        if state["model_config"] != asdict(self.model.config):
+            raise CheckpointError(f"{path} holds a model with config {state['model_config']}, this model has "
+                                  f"{asdict(self.model.config)}: build the model from the checkpoint's config")
+        mine = asdict(self.config)
+        for key in ("steps", "batch_size", "grad_accum_steps", "lr", "min_lr", "warmup_steps", "schedule", "seed"):
+            if state["train_config"][key] != mine[key]:
+                raise CheckpointError(f"{path} was trained with {key} = {state['train_config'][key]}, this run has "
+                                      f"{mine[key]}: an exact resume needs the same TrainConfig")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.batches.load_state_dict(state["data"])
+        _set_rng_states(state["rng"])
+        self.step = state["step"]
+        self.history = {key: list(value) for key, value in state["history"].items()}
+        return self.step
+
+
+def _progress(steps: range, enabled: bool, desc: str):
+    if not enabled:
+        return steps
+    from tqdm import tqdm
+
+    return tqdm(steps, desc=desc, initial=steps.start, total=steps.stop)
+
+
+def plot_history(history: dict, ax=None, label: str = "", lr_axis: bool = True):
+    """Training loss per step, validation loss at its evaluations and (on a second axis) the learning rate."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    prefix = f"{label} " if label else ""
+    (line,) = ax.plot(history["step"], history["loss"], alpha=0.6, label=f"{prefix}train")
+    if history["val_step"]:
+        ax.plot(history["val_step"], history["val_loss"], "o-", color=line.get_color(), label=f"{prefix}val")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy loss (nats/token)")
+    if lr_axis:
+        lr_ax = ax.twinx()
+        lr_ax.plot(history["step"], history["lr"], color="grey", linestyle=":", label="learning rate")
+        lr_ax.set_ylabel("learning rate")
+    ax.legend(loc="upper right")
+    return ax
