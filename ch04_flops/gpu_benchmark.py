@@ -104,7 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device: checks the script itself")
-    parser.add_argument("--presets", nargs="+", choices=list(PRESETS), help=f"default: {' '.join(GPT2)}")
+    parser.add_argument("--models", nargs="+", choices=list(PRESETS), help=f"presets (default: {' '.join(GPT2)})")
     parser.add_argument("--max-batch", type=int, help="largest batch size tried (default 64; smoke 4)")
     parser.add_argument("--min-run-time", type=float, help="seconds of timed runs per measurement (default 1)")
     args = parser.parse_args()
@@ -113,10 +113,10 @@ def main() -> None:
     caps = detect_capabilities("cuda" if torch.cuda.is_available() else "cpu")
     device = caps.device
     if args.smoke:
-        presets, seq, max_batch, dtype, run_time = args.presets or ["gpt-smoke"], 64, args.max_batch or 4, None, 0.01
+        presets, seq, max_batch, dtype, run_time = args.models or ["gpt-smoke"], 64, args.max_batch or 4, None, 0.01
         matmul_n, copy_bytes, roofline_shape = 256, 8 << 20, ("gpt-smoke", 2, 64)
     else:
-        presets, seq, max_batch, run_time = args.presets or GPT2, 1024, args.max_batch or 64, args.min_run_time or 1.0
+        presets, seq, max_batch, run_time = args.models or GPT2, 1024, args.max_batch or 64, args.min_run_time or 1.0
         dtype, matmul_n, copy_bytes, roofline_shape = autocast_dtype(caps), None, None, ("gpt2-small", 8, 1024)
     env = environment_report(caps)
     started = time.perf_counter()

@@ -49,6 +49,7 @@ from helpers.parallel.runtime import (
     token_ids,
     write_json,
 )
+from helpers.system.args import positive_float, positive_int
 from helpers.system.device import parse_dtype
 from helpers.text.data import NextTokenDataset
 from helpers.training.step import lm_loss
@@ -111,10 +112,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     add_dtype_arg(parser)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
-    parser.add_argument("--accum", type=int, default=2, help="micro-batches per step in the accumulation runs")
-    parser.add_argument("--bucket-mb", type=float, default=0.25,
+    parser.add_argument("--batch", type=positive_int, default=4, help="sequences per rank per micro-batch")
+    parser.add_argument("--steps", type=positive_int, default=3, help="optimizer steps")
+    parser.add_argument("--accumulation", type=positive_int, default=2,
+                        help="micro-batches per step in the accumulation runs")
+    parser.add_argument("--bucket-mb", type=positive_float, default=0.25,
                         help="DDP bucket size in MiB (DDP's default is 25; small here so a tiny model has buckets)")
     args = parser.parse_args()
 
@@ -125,7 +127,7 @@ def main() -> None:
     # the same seed on every rank; DDP also broadcasts rank 0's weights at construction
     base = GPT(config).to(parse_dtype(args.dtype))
     dataset = NextTokenDataset(token_ids(config.vocab_size), config.context_length)
-    n_micro = args.steps * args.accum
+    n_micro = args.steps * args.accumulation
     all_batches = [rank_batches(dataset, world, r, args.batch, args.seed, n_micro) for r in range(world)]
     mine = all_batches[rank]
     grad_bytes = gradient_bytes(base)
@@ -134,14 +136,14 @@ def main() -> None:
     runs = {
         "ddp": dict(sgd, batches=mine[: args.steps], accum=1),
         "ddp_ring": dict(sgd, batches=mine[: args.steps], accum=1, hook=ring_allreduce_hook),
-        "accum_no_sync": dict(sgd, batches=mine, accum=args.accum),
-        "accum_sync_every_micro": dict(sgd, batches=mine, accum=args.accum, sync_each_micro=True),
+        "accum_no_sync": dict(sgd, batches=mine, accum=args.accumulation),
+        "accum_sync_every_micro": dict(sgd, batches=mine, accum=args.accumulation, sync_each_micro=True),
         "ddp_adamw": dict(sgd, batches=mine[: args.steps], accum=1, optimizer="adamw"),
     }
     trained = {name: train_ddp(base, runtime=runtime, bucket_mb=args.bucket_mb, **run) for name, run in runs.items()}
 
     results = run_info(runtime, config, dtype=args.dtype, batch_per_rank=args.batch, steps=args.steps,
-                       accum=args.accum,
+                       accum=args.accumulation,
                        bucket_mb=args.bucket_mb, parameters=base.num_parameters(), gradient_bytes=grad_bytes,
                        ring_bytes_per_rank=ring_all_reduce_bytes(grad_bytes, world))
     # Every rank's byte counts, so the notebook can show that each rank sends the same amount.
@@ -153,7 +155,8 @@ def main() -> None:
 
     if runtime.is_main:
         one_step = [[all_batches[r][s] for r in range(world)] for s in range(args.steps)]
-        accum_steps = [[all_batches[r][s * args.accum + m] for r in range(world) for m in range(args.accum)]
+        accum = args.accumulation
+        accum_steps = [[all_batches[r][s * accum + m] for r in range(world) for m in range(accum)]
                        for s in range(args.steps)]
         references = {(steps, opt): train_reference(base, batches, device, opt)
                       for steps, batches, opt in (("one", one_step, "sgd"), ("accum", accum_steps, "sgd"),

@@ -46,6 +46,7 @@ from helpers.parallel.runtime import (
     token_ids,
     write_json,
 )
+from helpers.system.args import positive_float, positive_int
 from helpers.system.device import parse_dtype, synchronize
 from helpers.text.data import NextTokenDataset
 from helpers.training.step import lm_loss
@@ -122,9 +123,9 @@ def main() -> None:
     add_common_args(parser)
     add_dtype_arg(parser)
     parser.add_argument("--strategy", choices=["fsdp", "ddp"], default="fsdp")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch", type=positive_int, default=4, help="sequences per rank per step")
+    parser.add_argument("--steps", type=positive_int, default=3)
+    parser.add_argument("--lr", type=positive_float, default=1e-3)
     parser.add_argument("--no-check", action="store_true", help="skip the single-process reference")
     args = parser.parse_args()
 

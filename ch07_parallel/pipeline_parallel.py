@@ -49,6 +49,7 @@ from helpers.parallel.runtime import (
     teardown,
     write_json,
 )
+from helpers.system.args import positive_int
 from helpers.system.device import synchronize
 from helpers.training.step import lm_loss
 
@@ -172,11 +173,11 @@ def bubble_sweep(pipe: Pipeline, micro_counts: list[int], repeats: int) -> list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per global batch")
-    parser.add_argument("--micro", type=int, default=4, help="micro-batches in the equality checks")
-    parser.add_argument("--bubble-micro", type=int, nargs="*", default=[],
+    parser.add_argument("--batch", type=positive_int, default=8, help="sequences per global batch")
+    parser.add_argument("--micro", type=positive_int, default=4, help="micro-batches in the equality checks")
+    parser.add_argument("--bubble-micro", type=positive_int, nargs="*", default=[],
                         help="micro-batch counts of the bubble sweep (each must divide --batch); none: no sweep")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per micro-batch count")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed steps per micro-batch count")
     args = parser.parse_args()
     for m in [args.micro, *args.bubble_micro]:
         if m < 1 or args.batch % m:

@@ -38,6 +38,7 @@ from helpers.parallel.runtime import (
     write_json,
 )
 from helpers.parallel.tensor_parallel import TPLogs, parallelize_gpt, shard_of, tensor_parallel_gpt
+from helpers.system.args import positive_int
 from helpers.training.step import lm_loss
 
 
@@ -110,8 +111,8 @@ def with_dtensor(base: GPT, x, y, ref_logits, ref_grads, runtime) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, help="tokens per sequence (default: the context length)")
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--seq", type=positive_int, help="tokens per sequence (default: the context length)")
     args = parser.parse_args()
 
     runtime = setup(args.device, args.timeout)

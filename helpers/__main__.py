@@ -8,26 +8,40 @@ import json
 import sys
 from pathlib import Path
 
+from .system.args import positive_float, positive_int
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse turns the ValueError into a one-line usage error, exit code 2)."""
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
+SCALES = ("smoke", "cpu", "gpu")
+# The defaults that depend on the scale (helpers.system.scale: smoke when COURSE_SMOKE=1, else by the device),
+# written once: the commands read them, and their --help shows them.
+SCALE_DEFAULTS = {
+    "bench-attention": {"smoke": dict(batch=2, seq=128, d_model=128, heads=4),
+                        "cpu": dict(batch=2, seq=1024, d_model=768, heads=12),
+                        "gpu": dict(batch=8, seq=1024, d_model=768, heads=12)},
+    "bench-serve": {"smoke": dict(model="gpt-smoke", requests=16, max_batch=4, block_size=8),
+                    "cpu": dict(model="gpt-cpu", requests=64, max_batch=16, block_size=8),
+                    "gpu": dict(model="gpt2-small", requests=256, max_batch=64, block_size=16)},
+    "bench-train": {"smoke": dict(model="gpt-smoke", batch=2, ctx=64, steps=2),
+                    "cpu": dict(model="gpt-cpu", batch=4, ctx=128, steps=4),
+                    "gpu": dict(model="gpt2-small", batch=8, ctx=1024, steps=10)},
+}
 
 
-positive_int.__name__ = "integer >= 1"  # how argparse names the type in its message
+def scale_help(command: str, dest: str, what: str) -> str:
+    """`what`, then its default at each scale, read from SCALE_DEFAULTS."""
+    values = ", ".join(f"{scale} {SCALE_DEFAULTS[command][scale][dest]}" for scale in SCALES)
+    return f"{what} (default by scale: {values})"
 
 
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:  # also refuses nan
-        raise ValueError(text)
-    return value
+def fill_scale_defaults(args: argparse.Namespace, command: str) -> str:
+    """Set every option left out to its default at this device's scale; returns the device."""
+    from .system.device import default_device_type
+    from .system.scale import current_scale
 
-
-positive_float.__name__ = "number > 0"
+    device = args.device or default_device_type()
+    for dest, value in SCALE_DEFAULTS[command][current_scale(device)].items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+    return device
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -40,13 +54,9 @@ def _env(args: argparse.Namespace) -> int:
 
 def _bench_attention(args: argparse.Namespace) -> int:
     from .measure.attention_bench import bench_attention, format_results, results_as_dicts
-    from .system.device import default_device_type
-    from .system.scale import by_scale, current_scale
 
-    device = args.device or default_device_type()
-    defaults = by_scale(current_scale(device), smoke=(2, 128, 128, 4), cpu=(2, 1024, 768, 12), gpu=(8, 1024, 768, 12))
-    batch, seq, d_model, heads = (default if given is None else given for given, default in
-                                  zip((args.batch, args.seq, args.d_model, args.heads), defaults, strict=True))
+    device = fill_scale_defaults(args, "bench-attention")
+    batch, seq, d_model, heads = args.batch, args.seq, args.d_model, args.heads
     if d_model % heads:
         args.command_parser.error(f"--heads {heads} does not divide --d-model {d_model}; pick heads in "
                                   f"{[h for h in range(1, min(d_model, 64) + 1) if d_model % h == 0]}")
@@ -89,17 +99,10 @@ def _bench_load(args: argparse.Namespace) -> int:
 
 def _bench_serve(args: argparse.Namespace) -> int:
     from .measure.serving_bench import bench_serve, format_report
-    from .system.device import default_device_type
-    from .system.scale import by_scale, current_scale
 
-    device = args.device or default_device_type()
-    model, requests, max_batch, block_size = by_scale(current_scale(device), smoke=("gpt-smoke", 16, 4, 8),
-                                                      cpu=("gpt-cpu", 64, 16, 8), gpu=("gpt2-small", 256, 64, 16))
-    requests = requests if args.requests is None else args.requests
-    max_batch = max_batch if args.max_batch is None else args.max_batch
-    block_size = block_size if args.block_size is None else args.block_size
+    device = fill_scale_defaults(args, "bench-serve")
     try:
-        report, _ = bench_serve(args.model or model, requests, max_batch, block_size,
+        report, _ = bench_serve(args.model, args.requests, args.max_batch, args.block_size,
                                 seed=args.seed, device=device, num_blocks=args.num_blocks, repeats=args.repeats,
                                 progress=lambda name: print(f"serving with {name} ...", file=sys.stderr, flush=True))
     except ValueError as err:  # e.g. --num-blocks too small for a request: say so, no traceback
@@ -111,16 +114,11 @@ def _bench_serve(args: argparse.Namespace) -> int:
 def _bench_train(args: argparse.Namespace) -> int:
     from .measure.train_bench import bench_train, format_report
     from .model.config import PRESETS
-    from .system.device import default_device_type
-    from .system.scale import by_scale, current_scale
 
-    device = args.device or default_device_type()
-    model, batch, ctx, steps = by_scale(current_scale(device), smoke=("gpt-smoke", 2, 64, 2),
-                                        cpu=("gpt-cpu", 4, 128, 4), gpu=("gpt2-small", 8, 1024, 10))
-    model = args.model or model
-    ctx = min(ctx, PRESETS[model].context_length) if args.ctx is None else args.ctx
-    batch = batch if args.batch is None else args.batch
-    steps = steps if args.steps is None else args.steps
+    ctx_given = args.ctx is not None
+    device = fill_scale_defaults(args, "bench-train")
+    model, batch, steps = args.model, args.batch, args.steps
+    ctx = args.ctx if ctx_given else min(args.ctx, PRESETS[model].context_length)
     if ctx > PRESETS[model].context_length:
         args.command_parser.error(f"--ctx {ctx} is longer than {model}'s context length; pass --ctx "
                                   f"{PRESETS[model].context_length} or less")
@@ -170,14 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     env.add_argument("--json", action="store_true", help="one JSON object instead of text")
     env.set_defaults(func=_env)
 
-    from .measure.attention_bench import DTYPES, MODES
+    from .measure.attention_bench import MODES
     from .model.attention import IMPLEMENTATIONS
+    from .system.device import DTYPES
 
     bench = commands.add_parser("bench-attention", help="time every attention implementation on the same weights")
-    bench.add_argument("--batch", type=positive_int, help="default: by scale (smoke 2, cpu 2, gpu 8)")
-    bench.add_argument("--seq", type=positive_int, help="default: by scale (smoke 128, cpu/gpu 1024)")
-    bench.add_argument("--d-model", type=positive_int, help="default: by scale (smoke 128, cpu/gpu 768)")
-    bench.add_argument("--heads", type=positive_int, help="default: by scale (smoke 4, cpu/gpu 12)")
+    bench.add_argument("--batch", type=positive_int, help=scale_help("bench-attention", "batch", "sequences"))
+    bench.add_argument("--seq", type=positive_int, help=scale_help("bench-attention", "seq", "tokens per sequence"))
+    bench.add_argument("--d-model", type=positive_int, help=scale_help("bench-attention", "d_model", "model width"))
+    bench.add_argument("--heads", type=positive_int, help=scale_help("bench-attention", "heads", "attention heads"))
     bench.add_argument("--dtype", choices=list(DTYPES), default="float32")
     bench.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: the best available")
     bench.add_argument("--mode", choices=MODES, default="fwd",
@@ -215,12 +214,13 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = commands.add_parser("bench-serve", help="continuous vs static batching: throughput, latency, KV memory")
     serve.add_argument("--model", choices=list(PRESETS),
-                       help="preset, random weights (default: by scale: gpt-smoke, gpt-cpu, gpt2-small)")
+                       help=scale_help("bench-serve", "model", "preset, random weights"))
     serve.add_argument("--requests", type=positive_int,
-                       help="requests in the mixed workload (default: by scale 16, 64, 256)")
-    serve.add_argument("--max-batch", type=positive_int, help="sequences per batch (default: by scale 4, 16, 64)")
+                       help=scale_help("bench-serve", "requests", "requests in the mixed workload"))
+    serve.add_argument("--max-batch", type=positive_int,
+                       help=scale_help("bench-serve", "max_batch", "sequences per batch"))
     serve.add_argument("--block-size", type=positive_int,
-                       help="tokens per KV block of the paged cache (default: 8, 8, 16)")
+                       help=scale_help("bench-serve", "block_size", "tokens per KV block of the paged cache"))
     serve.add_argument("--num-blocks", type=positive_int,
                        help="blocks of the paged cache (default: the contiguous cache's memory, max-batch rows)")
     serve.add_argument("--repeats", type=positive_int, default=2,
@@ -234,11 +234,13 @@ def main(argv: list[str] | None = None) -> int:
 
     train = commands.add_parser("bench-train", help="the training-speed ladder (tokens/s, MFU) and transformers' GPT-2")
     train.add_argument("--model", choices=list(PRESETS),
-                       help="preset, random weights (default: by scale: gpt-smoke, gpt-cpu, gpt2-small)")
-    train.add_argument("--batch", type=positive_int, help="sequences per micro-batch (default: by scale 2, 4, 8)")
-    train.add_argument("--ctx", type=positive_int, help="tokens per sequence (default: by scale 64, 128, 1024)")
+                       help=scale_help("bench-train", "model", "preset, random weights"))
+    train.add_argument("--batch", type=positive_int,
+                       help=scale_help("bench-train", "batch", "sequences per micro-batch"))
+    train.add_argument("--ctx", type=positive_int,
+                       help=scale_help("bench-train", "ctx", "tokens per sequence, at most the preset's context"))
     train.add_argument("--steps", type=positive_int,
-                       help="timed optimizer steps per rung; medians (default: by scale 2, 4, 10)")
+                       help=scale_help("bench-train", "steps", "timed optimizer steps per rung; medians"))
     train.add_argument("--warmup", type=positive_int, default=2,
                        help="untimed steps first, compilation included (default: 2)")
     train.add_argument("--accumulation", type=positive_int, default=4,

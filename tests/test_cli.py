@@ -59,3 +59,51 @@ def test_commands_print_no_warnings_of_the_libraries_they_use(argv):
     done = subprocess.run([sys.executable, "-m", "helpers", *argv], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "Warning" not in done.stderr, done.stderr
+
+
+COMMANDS = ["env", "bench-attention", "flops", "bench-load", "bench-serve", "bench-train", "run-notebooks",
+            "sync-bootstrap"]
+BENCHMARK_LIBRARIES = ("fvcore", "transformers", "triton", "torchao", "matplotlib", "nbclient")
+
+
+def test_help_imports_no_benchmark_library():
+    """`--help` answers in about the time of `import torch`: building the parser imports no benchmark library
+    (fvcore, transformers, triton: seconds each). One fresh process per command, as a user runs it."""
+    script = ("import sys\nfrom helpers.__main__ import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
+              f"    pass\nprint(' '.join(m for m in {BENCHMARK_LIBRARIES!r} if m in sys.modules), file=sys.stderr)")
+    for command in COMMANDS:
+        done = subprocess.run([sys.executable, "-c", script, command, "--help"], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stderr.strip() == "", f"{command} --help imported {done.stderr.strip()}"
+
+
+def test_scale_defaults_are_written_once_and_shown_by_help(capsys, monkeypatch):
+    """The help text and the values a command runs with both come from SCALE_DEFAULTS."""
+    from helpers.__main__ import SCALE_DEFAULTS, fill_scale_defaults
+
+    with pytest.raises(SystemExit):
+        main(["bench-serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default by scale: smoke 16, cpu 64, gpu 256)" in out
+    monkeypatch.setenv("COURSE_SMOKE", "1")
+    args = type("Args", (), dict(device="cpu", model=None, requests=None, max_batch=3, block_size=None))()
+    fill_scale_defaults(args, "bench-serve")
+    smoke = SCALE_DEFAULTS["bench-serve"]["smoke"]
+    assert (args.model, args.requests, args.max_batch, args.block_size) == (smoke["model"], smoke["requests"], 3,
+                                                                            smoke["block_size"])
+
+
+def test_chapter_scripts_name_the_model_as_the_command_line_does():
+    """The ch07 scripts and `python -m helpers` share flag names: --model (a preset), --ctx, --accumulation."""
+    import argparse
+
+    from helpers.parallel.runtime import add_common_args
+
+    parser = argparse.ArgumentParser()
+    add_common_args(parser)
+    args = parser.parse_args(["--out", "x.json", "--model", "gpt-cpu", "--ctx", "32"])
+    assert (args.model, args.ctx) == ("gpt-cpu", 32)
+    for other in (["--preset", "gpt-cpu"], ["--context", "32"], ["--ctx", "0"], ["--model", "gpt-9"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--out", "x.json", *other])

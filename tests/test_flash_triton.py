@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.model.flash_triton import _launch_config, flash_attention_triton, triton_unavailable_reason
+from helpers.model.flash_triton import flash_attention_triton, launch_config, triton_unavailable_reason
 from helpers.system.optional import MissingOptionalPackage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ off = ft.triton_unavailable_reason("cpu", torch.float32)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-kernels, cfg = ft._kernels(), ft._launch_config(64, torch.bfloat16, interpret=False)
+kernels, cfg = ft.compiled_kernels(), ft.launch_config(64, torch.bfloat16, interpret=False)
 scalar_types = {"LSE": "*fp32", "DELTA": "*fp32", "seq_len": "i32", "sm_scale": "fp32"}
 shared = {}
 for name, blocks in [("fwd", (cfg.fwd_m, cfg.fwd_n)), ("bwd_dkdv", (cfg.dkdv_m, cfg.dkdv_n)),
@@ -178,7 +178,7 @@ def test_missing_triton_raises_with_the_install_hint(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_tiles_fit_the_masked_unmasked_split(dtype, interpret):
     for head_dim in (16, 32, 64, 128, 256):
-        cfg = _launch_config(head_dim, dtype, interpret)
+        cfg = launch_config(head_dim, dtype, interpret)
         for tile in cfg[:6]:
             assert tile >= 16 and tile & (tile - 1) == 0, cfg  # tl.dot: power of two, at least 16
         assert cfg.fwd_m % cfg.fwd_n == 0 and cfg.dkdv_n % cfg.dkdv_m == 0 and cfg.dq_m % cfg.dq_n == 0, cfg

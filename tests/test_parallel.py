@@ -18,7 +18,7 @@ from helpers.parallel.runtime import pick_device_type
 from helpers.parallel.tensor_parallel import shard_rows, tensor_parallel_gpt
 
 CH07 = Path(__file__).resolve().parents[1] / "ch07_parallel"
-TINY = ["--layers", "2", "--d-model", "64", "--heads", "4", "--vocab", "256", "--context", "32"]
+TINY = ["--layers", "2", "--d-model", "64", "--heads", "4", "--vocab", "256", "--ctx", "32"]
 TOL = 1e-5  # float32 logits and gradients: every parallel variant equals one process within this
 # After AdamW steps only float64 is exact: Adam divides by sqrt(v), so a float32 rounding difference in a near-zero
 # gradient (a sum computed in another order) can change that weight's update completely. The optimizer-step
@@ -53,7 +53,7 @@ def close(measured: int, expected: float, rel: float = 0.02) -> bool:
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
-    return run_script(tmp_path_factory, "ddp", "--steps", "3", "--accum", "2", "--dtype", "float64")
+    return run_script(tmp_path_factory, "ddp", "--steps", "3", "--accumulation", "2", "--dtype", "float64")
 
 
 @pytest.mark.parametrize("variant", ["ddp", "ddp_ring", "accum_no_sync", "accum_sync_every_micro", "ddp_adamw"])

@@ -277,8 +277,8 @@ def test_an_iteration_in_which_no_sequence_advances_is_an_error(model64, monkeyp
     engine.submit(Request("A", (1,), 1))
     engine.submit(Request("B", (2, 3), 4))
     engine.step(), engine.step()  # A is finished, B is decoding
-    finished = next(s for s in engine.running if s.finish_reason is not None)
-    monkeypatch.setattr(engine, "_schedule_static", lambda: ([(finished, finished.num_computed - 1, 1)], 0))
+    finished = next(s for s in engine.scheduler.running if s.finish_reason is not None)
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: ([(finished, finished.num_computed - 1, 1)], 0))
     with pytest.raises(RuntimeError, match="no sequence advances"):
         engine.step()
 

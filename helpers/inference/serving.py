@@ -1,4 +1,5 @@
-"""A small LLM inference engine: a paged KV cache, a ragged batched forward pass and two schedulers.
+"""A small LLM inference engine: a paged KV cache, a ragged batched forward pass and two schedulers
+(`helpers.inference.scheduler`).
 
 Every iteration the scheduler picks a chunk of tokens per sequence (a whole or partial prompt, or the one
 newest token while decoding), the engine runs them through the GPT as one ragged batch, and each sequence
@@ -22,27 +23,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..model.decoding import cached_positions, check_decoding
 from ..model.gpt import GPT
 from .paged_kv import PagedBatch, PagedKVCache
+from .scheduler import SCHEDULERS, Chunk, Request, Sequence
 
-SCHEDULINGS = ("continuous", "static")
-
-
-@dataclass(frozen=True)
-class Request:
-    """A prompt (token ids) to complete with up to `max_tokens` greedy tokens, stopping early at `eos_id`."""
-
-    request_id: Hashable
-    prompt: tuple[int, ...]
-    max_tokens: int
-    eos_id: int | None = None
+SCHEDULINGS = tuple(SCHEDULERS)
 
 
 @dataclass
@@ -112,18 +103,6 @@ class ServingRun:
         return {f"p{p}": torch.quantile(latencies, p / 100).item() for p in percentiles}
 
 
-@dataclass
-class _Sequence:
-    request: Request
-    submitted: float
-    tokens: list[int]  # prompt + generated so far
-    num_computed: int = 0  # leading tokens whose keys and values are in the cache
-    generated: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    first_token: float | None = None
-    preemptions: int = 0
-
-
 def contiguous_layout(context_length: int, max_batch: int) -> dict[str, int]:
     """Engine arguments for a contiguous max-length cache: one block of `context_length` slots per sequence."""
     return {"block_size": context_length, "num_blocks": max_batch}
@@ -155,9 +134,8 @@ class Engine:
         param = next(model.parameters())
         self.cache = PagedKVCache(model.config.n_layers, model.config.n_heads, model.config.head_dim, num_blocks,
                                   block_size, dtype=param.dtype, device=param.device)
-        self.waiting: deque[_Sequence] = deque()
-        self.running: list[_Sequence] = []  # in admission order: the last one is the newest
-        self._pending: dict[Hashable, _Sequence] = {}  # submitted and not yet returned by `run`
+        self.scheduler = SCHEDULERS[scheduling](self.cache, max_batch, self.max_step_tokens)
+        self._pending: dict[Hashable, Sequence] = {}  # submitted and not yet returned by `run`
         self._finished: dict[Hashable, Completion] = {}
         self._start: float | None = None
         self._iterations: list[IterationStats] = []
@@ -193,80 +171,13 @@ class Engine:
             raise ValueError(f"request {rid!r} needs {self.cache.blocks_for(cached)} blocks of "
                              f"{self.cache.block_size} tokens but the cache has only {self.cache.num_blocks}; "
                              "give the engine more num_blocks or lower max_tokens")
-        seq = _Sequence(request, time.perf_counter(), tokens=prompt)
+        seq = Sequence(request, time.perf_counter(), tokens=prompt)
         self._pending[rid] = seq
-        self.waiting.append(seq)
-
-    # ---- scheduling ----
-
-    def _preempt(self, seq: _Sequence) -> None:
-        """Free a running sequence's blocks and queue it first; its tokens are recomputed when it resumes."""
-        self.running.remove(seq)
-        self.cache.release(seq.request.request_id)
-        seq.num_computed, seq.preemptions = 0, seq.preemptions + 1
-        self.waiting.appendleft(seq)
-
-    def _schedule_continuous(self) -> tuple[list[tuple[_Sequence, int, int]], int]:
-        """Running sequences first (oldest first), then new ones while slots, tokens and blocks last."""
-        plan, budget, preempted = [], self.max_step_tokens, 0
-        for seq in list(self.running):
-            if seq not in self.running or budget == 0:
-                continue
-            n = min(len(seq.tokens) - seq.num_computed, budget)
-            rid = seq.request.request_id
-            while not self.cache.can_hold(rid, seq.num_computed + n):  # out of blocks: preempt the newest
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted += 1
-                if victim is seq:
-                    break
-            if seq in self.running:
-                self.cache.reserve(rid, seq.num_computed + n)
-                plan.append((seq, seq.num_computed, n))
-                budget -= n
-        # new sequences join while there are slots, tokens and blocks; not in an iteration that had to preempt
-        while self.waiting and len(self.running) < self.max_batch and budget > 0 and not preempted:
-            seq = self.waiting[0]
-            n = min(len(seq.tokens), budget)
-            if not self.cache.can_hold(seq.request.request_id, n):
-                break  # wait for blocks to be freed
-            self._admit(seq, n)
-            plan.append((seq, 0, n))
-            budget -= n
-        return plan, preempted
-
-    def _schedule_static(self) -> tuple[list[tuple[_Sequence, int, int]], int]:
-        """A new batch only when the last one is done; each reserves its full length; finished rows pad.
-
-        Unfinished rows take the token budget first: a padding row only spends what is left, so a small
-        `max_step_tokens` slows the batch down but cannot starve it."""
-        if not self.running:
-            while self.waiting and len(self.running) < self.max_batch:
-                seq = self.waiting[0]
-                full = cached_positions(len(seq.tokens), seq.request.max_tokens)
-                if not self.cache.can_hold(seq.request.request_id, full):
-                    break
-                self._admit(seq, full)
-        plan, budget = [], self.max_step_tokens
-        for seq in self.running:
-            if seq.finish_reason is None and budget > 0:
-                n = min(len(seq.tokens) - seq.num_computed, budget)
-                plan.append((seq, seq.num_computed, n))
-                budget -= n
-        for seq in self.running:
-            if seq.finish_reason is not None and budget > 0:  # padding: recompute its last cached token
-                plan.append((seq, seq.num_computed - 1, 1))
-                budget -= 1
-        return plan, 0
-
-    def _admit(self, seq: _Sequence, reserve_tokens: int) -> None:
-        self.waiting.popleft()
-        self.cache.reserve(seq.request.request_id, reserve_tokens)
-        self.running.append(seq)
+        self.scheduler.waiting.append(seq)
 
     # ---- the forward pass ----
 
-    def _forward(self, plan: list[tuple[_Sequence, int, int]]) -> torch.Tensor:
+    def _forward(self, plan: list[Chunk]) -> torch.Tensor:
         """Logits (len(plan), vocab) after the last token of each planned chunk: the model's own forward pass over
         the ragged batch of chunks, its attention reading and writing the paged cache (`PagedBatch`)."""
         batch = PagedBatch(self.cache, [(seq.request.request_id, start, n) for seq, start, n in plan])
@@ -278,10 +189,10 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work
 
     @staticmethod
-    def _kind(seq: _Sequence, start: int) -> str:
+    def _kind(seq: Sequence, start: int) -> str:
         if seq.finish_reason is not None:
             return "padding"
         decode = start == len(seq.tokens) - 1 and start >= len(seq.request.prompt)  # feeds its newest token
@@ -293,8 +204,7 @@ class Engine:
         Returns the requests that completed in this iteration."""
         if self._start is None:
             self._start = time.perf_counter()
-        schedule = self._schedule_continuous if self.scheduling == "continuous" else self._schedule_static
-        plan, preempted = schedule()
+        plan, preempted = self.scheduler.schedule()
         plan.sort(key=lambda row: row[2] > 1)  # one-token rows first: their attention is one batched call
         if not plan:
             raise RuntimeError("no sequence could be scheduled" if self.has_work else "nothing to run: submit first")
@@ -311,7 +221,7 @@ class Engine:
         next_ids = logits.float().argmax(dim=-1).tolist()  # greedy over float32 logits, as GPT.generate
         now = time.perf_counter()
         batch = tuple((seq.request.request_id, n, self._kind(seq, start)) for seq, start, n in plan)
-        live = [s for s in self.running if s.finish_reason is None]  # their caches were in use in this iteration
+        live = [s for s in self.scheduler.running if s.finish_reason is None]  # their caches were in use
         for (seq, start, n), token in zip(plan, next_ids, strict=True):
             if seq.finish_reason is not None:
                 continue  # a padding row
@@ -327,14 +237,9 @@ class Engine:
                 seq.finish_reason = "length"
         self._iterations.append(IterationStats(
             end_s=now - self._start, batch=batch, used_slots=sum(s.num_computed for s in live),
-            allocated_slots=self.cache.allocated_slots, waiting=len(self.waiting), preempted=preempted))
-        done = [s for s in self.running if s.finish_reason is not None]
-        if self.scheduling == "static" and len(done) < len(self.running):
-            done = []  # the batch is held until its longest request is done
+            allocated_slots=self.cache.allocated_slots, waiting=len(self.scheduler.waiting), preempted=preempted))
         completions = []
-        for seq in done:
-            self.running.remove(seq)
-            self.cache.release(seq.request.request_id)
+        for seq in self.scheduler.retire():
             completions.append(Completion(seq.request.request_id, len(seq.request.prompt), seq.generated,
                                           seq.finish_reason, seq.first_token - seq.submitted, now - seq.submitted,
                                           seq.preemptions))

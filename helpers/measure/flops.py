@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..model.config import GPTConfig
 from ..model.gpt import GPT, swiglu_hidden_dim
@@ -235,11 +234,19 @@ def fvcore_flops(config: GPTConfig, batch: int, seq: int) -> CounterFlops:
     return _fvcore_result(by_operator, by_module, analysis.unsupported_ops())
 
 
+# torch.utils.flop_counter is imported where it is used: it imports triton (when installed), which would slow down
+# every import of this module, the command line's --help included.
+
+
 def _sdpa_forward(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
     return sdpa_flop_count(query, key, value)
 
 
 def _sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
@@ -264,6 +271,8 @@ def count_with_flop_counter(model: nn.Module, inputs: torch.Tensor, backward: bo
     `aten._scaled_dot_product_flash_attention_for_cpu`, which has none, so attention counts 0 there. We add
     formulas for the kernels it lacks and report their FLOPs as `missed`. `backward=True` counts forward + backward.
     """
+    from torch.utils.flop_counter import FlopCounterMode
+
     added = _flop_counter_missed()
     with FlopCounterMode(display=False, custom_mapping=added) as counter:
         out = model(inputs)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ..system.device import dtype_name
 from ..system.optional import require
 
-if TYPE_CHECKING:  # for readers and linters; at run time `_kernels()` binds it in the kernels' globals
+if TYPE_CHECKING:  # for readers and linters; at run time `compiled_kernels()` binds it in the kernels' globals
     import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -83,7 +83,7 @@ def triton_unavailable_reason(device: torch.device | str, dtype: torch.dtype) ->
     return None
 
 
-class _LaunchConfig(NamedTuple):
+class LaunchConfig(NamedTuple):
     fwd_m: int  # forward: queries per program
     fwd_n: int  # forward: keys per loop step
     dkdv_m: int  # backward dK/dV: queries per loop step
@@ -94,7 +94,7 @@ class _LaunchConfig(NamedTuple):
     num_stages: int
 
 
-def _launch_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> _LaunchConfig:
+def launch_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> LaunchConfig:
     """Tile sizes: large enough to keep the tensor cores busy, small enough for registers and shared memory.
 
     The split between masked and unmasked blocks needs the block owned by a program to be a multiple of
@@ -105,20 +105,20 @@ def _launch_config(head_dim: int, dtype: torch.dtype, interpret: bool) -> _Launc
     forward on sm_80 (88 bytes). fp32 "ieee" dots run on the FMA units, not tensor cores: small tiles.
     """
     if interpret:  # the GPU's 2:1 shapes, scaled down
-        return _LaunchConfig(32, 16, 16, 32, 32, 16, num_warps=1, num_stages=1)
+        return LaunchConfig(32, 16, 16, 32, 32, 16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         if head_dim <= 128:
-            return _LaunchConfig(32, 32, 32, 32, 32, 32, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
-        return _LaunchConfig(32, 32, 16, 32, 32, 16, num_warps=8, num_stages=1)
+            return LaunchConfig(32, 32, 32, 32, 32, 32, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+        return LaunchConfig(32, 32, 16, 32, 32, 16, num_warps=8, num_stages=1)
     if head_dim <= 64:
-        return _LaunchConfig(128, 64, 32, 128, 128, 32, num_warps=8, num_stages=3)
+        return LaunchConfig(128, 64, 32, 128, 128, 32, num_warps=8, num_stages=3)
     if head_dim <= 128:
-        return _LaunchConfig(128, 64, 32, 64, 64, 32, num_warps=8, num_stages=2)
-    return _LaunchConfig(64, 32, 32, 32, 32, 32, num_warps=8, num_stages=2)
+        return LaunchConfig(128, 64, 32, 64, 64, 32, num_warps=8, num_stages=2)
+    return LaunchConfig(64, 32, 32, 32, 32, 32, num_warps=8, num_stages=2)
 
 
-# ---- the kernels: plain functions here, compiled by `_kernels()` on first use ----
-# Their globals are a private namespace that `_kernels()` fills with `tl`, the constants and the jitted
+# ---- the kernels: plain functions here, compiled by `compiled_kernels()` on first use ----
+# Their globals are a private namespace that `compiled_kernels()` fills with `tl`, the constants and the jitted
 # helpers (so triton stays optional); the annotations are strings thanks to `from __future__ import annotations`.
 
 
@@ -324,7 +324,7 @@ _KERNEL_FUNCTIONS = (
 
 
 @functools.cache
-def _kernels() -> types.SimpleNamespace:
+def compiled_kernels() -> types.SimpleNamespace:
     """The kernels above, jitted (compiled, or interpreted under TRITON_INTERPRET=1) with their own globals.
 
     Triton's interpreter re-executes a kernel's source in the kernel's `__globals__` (closures are lost), hence a
@@ -339,12 +339,12 @@ def _kernels() -> types.SimpleNamespace:
                                  bwd_dkdv=scope["_bwd_dkdv_kernel"], bwd_dq=scope["_bwd_dq_kernel"])
 
 
-def _setup(q: torch.Tensor) -> tuple[types.SimpleNamespace, _LaunchConfig, str]:
+def _setup(q: torch.Tensor) -> tuple[types.SimpleNamespace, LaunchConfig, str]:
     """Kernels, tile sizes and tl.dot precision (fp32 inputs follow PyTorch's TF32 setting; "tf32" is the default)."""
     interpret = bool(_interpreter_mode(require("triton", "flash_attention_triton")))
     exact = q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
     precision = "ieee" if exact else "tf32"
-    return _kernels(), _launch_config(q.shape[-1], q.dtype, interpret), precision
+    return compiled_kernels(), launch_config(q.shape[-1], q.dtype, interpret), precision
 
 
 class _FlashAttention(torch.autograd.Function):

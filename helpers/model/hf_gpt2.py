@@ -263,7 +263,8 @@ def save_hf_gpt2(model: GPT, directory: str | os.PathLike) -> Path:
     return directory
 
 
-def _hub_reachable(url: str, timeout: float) -> bool:
+def hub_reachable(url: str, timeout: float) -> bool:
+    """Whether the Hub answers at all (any HTTP status) within `timeout`: a quick probe before a long download."""
     try:
         urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
     except urllib.error.HTTPError:
@@ -285,7 +286,7 @@ def download_gpt2(repo_id: str = GPT2_REPOSITORY, cache_dir: str | os.PathLike |
 
     endpoint = endpoint or constants.ENDPOINT
     offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"}
-    online = not offline and _hub_reachable(f"{endpoint}/api/models/{repo_id}", timeout)
+    online = not offline and hub_reachable(f"{endpoint}/api/models/{repo_id}", timeout)
     try:
         files = [hf_hub_download(repo_id, name, cache_dir=cache_dir, endpoint=endpoint, etag_timeout=timeout,
                                  local_files_only=not online) for name in ("config.json", "model.safetensors")]

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from ..model.config import GPTConfig
+from ..model.config import PRESETS, GPTConfig
+from ..system.args import positive_float, positive_int
 from ..system.files import atomic_path
 
 
@@ -105,17 +106,20 @@ def max_param_diff(model: nn.Module, reference: nn.Module) -> float:
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Model size (a preset with fields overridden), device, seed, collective timeout, output JSON."""
     parser.add_argument("--out", type=Path, required=True, help="JSON file rank 0 writes its results to")
-    parser.add_argument("--preset", default="gpt-smoke", help="helpers.PRESETS name the model starts from")
-    parser.add_argument("--layers", type=int, help="n_layers (default: the preset's)")
-    parser.add_argument("--d-model", type=int, help="d_model (default: the preset's)")
-    parser.add_argument("--heads", type=int, help="n_heads (default: the preset's)")
-    parser.add_argument("--context", type=int, help="context_length (default: the preset's)")
-    parser.add_argument("--vocab", type=int, help="vocab_size; token ids are taken modulo it (default: the preset's)")
+    parser.add_argument("--model", choices=list(PRESETS), default="gpt-smoke",
+                        help="preset the model starts from (default: gpt-smoke)")
+    parser.add_argument("--layers", type=positive_int, help="n_layers (default: the preset's)")
+    parser.add_argument("--d-model", type=positive_int, help="d_model (default: the preset's)")
+    parser.add_argument("--heads", type=positive_int, help="n_heads (default: the preset's)")
+    parser.add_argument("--ctx", type=positive_int, help="context_length (default: the preset's)")
+    parser.add_argument("--vocab", type=positive_int,
+                        help="vocab_size; token ids are taken modulo it (default: the preset's)")
     parser.add_argument("--ffn", choices=["gelu", "swiglu"], help="feed-forward type (default: the preset's)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: one GPU per process when there are enough, else CPU with gloo")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=120, help="seconds a collective may wait before it fails")
+    parser.add_argument("--timeout", type=positive_float, default=120,
+                        help="seconds a collective may wait before it fails")
 
 
 def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
@@ -128,9 +132,9 @@ def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> GPTConfig:
     """The preset with the command line's overrides; dropout off, so every variant computes the same function."""
     overrides = {"n_layers": args.layers, "d_model": args.d_model, "n_heads": args.heads,
-                 "context_length": args.context, "vocab_size": args.vocab, "ffn_type": args.ffn}
+                 "context_length": args.ctx, "vocab_size": args.vocab, "ffn_type": args.ffn}
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    return GPTConfig.from_preset(args.preset, dropout=0.0, **overrides)
+    return GPTConfig.from_preset(args.model, dropout=0.0, **overrides)
 
 
 def rank_batches(dataset: Dataset, world_size: int, rank: int, batch: int, seed: int, n_batches: int) -> list:

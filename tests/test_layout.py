@@ -1,0 +1,96 @@
+"""helpers/ is layered as the course is: the machine, then the model, then what uses it; never upwards.
+
+Read from the source (every import, the ones inside functions too), so the check holds whatever a test happens
+to import.
+"""
+
+import ast
+from pathlib import Path
+
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+# A subpackage may import its own layer's modules and any lower layer; benchmarks and notebook tooling sit on top.
+LAYERS = {"system": 0, "model": 1, "text": 2, "training": 3, "inference": 3, "parallel": 4, "measure": 5,
+          "notebooks": 6, "__main__": 6, "__init__": 6}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(HELPERS.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(dotted: str) -> bool:
+    """`from helpers.model import gpt` imports a module; `from helpers.model.gpt import GPT` a name."""
+    path = HELPERS.parent / dotted.replace(".", "/")
+    return path.is_dir() or path.with_suffix(".py").is_file()
+
+
+def imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(imported helpers module, names taken from it) for every import statement in the file."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "helpers":
+                names = [alias.name for alias in node.names]
+                submodules = [f"{target}.{n}" for n in names if is_module(f"{target}.{n}")]
+                found += [(m, []) for m in submodules] or [(target, names)]
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names if alias.name.split(".")[0] == "helpers"]
+    return found
+
+
+def layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS[parts[1] if len(parts) > 1 else "__init__"]
+
+
+SOURCES = {module_name(p): p for p in sorted(HELPERS.rglob("*.py"))}
+GRAPH = {name: imports(path) for name, path in SOURCES.items()}
+
+
+def test_every_subpackage_has_a_layer():
+    assert {m.split(".")[1] for m in SOURCES if "." in m} <= set(LAYERS)
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = [f"{name} imports {target}" for name, targets in GRAPH.items() for target, _ in targets
+              if target != "helpers" and layer(target) > layer(name)]
+    assert not upward, upward
+
+
+def test_the_import_graph_is_acyclic():
+    edges = {name: {t for t, _ in targets if t in SOURCES and t != name and not t.endswith("__init__")}
+             for name, targets in GRAPH.items() if not name.count(".") == 0}
+    edges = {n: {t for t in ts if t in edges} for n, ts in edges.items()}
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in edges[node]:
+            assert state.get(nxt) != 1, "import cycle: " + " -> ".join([*path, node, nxt])
+            if nxt not in state:
+                visit(nxt, [*path, node])
+        state[node] = 2
+
+    for node in edges:
+        if node not in state:
+            visit(node, [])
+
+
+def test_no_private_name_crosses_a_module():
+    crossing = [f"{name} imports {n} from {target}" for name, targets in GRAPH.items() for target, names in targets
+                for n in names if n.startswith("_") and target != name]
+    assert not crossing, crossing
+
+
+def test_the_model_package_imports_only_the_machine_layer():
+    """The model is the bottom of the course: it may use system helpers, nothing that trains, serves or measures."""
+    for name, targets in GRAPH.items():
+        if name.startswith("helpers.model"):
+            assert all(t.split(".")[1] in ("model", "system") for t, _ in targets if "." in t), (name, targets)
