@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch.utils import benchmark
 
 from ..system.device import synchronize
 
@@ -20,6 +19,10 @@ def median_seconds(step: Callable[[], object], device: torch.device, min_run_tim
         def run():
             step()
             synchronize(device)
+    # Imported here: torch.utils.benchmark loads the C++ extension machinery, which on a CUDA build of torch
+    # without a GPU logs a warning; importing this module (as every --help of the command line does) stays quiet.
+    from torch.utils import benchmark
+
     run()  # warm-up: allocations, optimizer state, kernel selection, compilation
     timer = benchmark.Timer("run()", globals={"run": run}, num_threads=torch.get_num_threads())
     return timer.blocked_autorange(min_run_time=min_run_time).median
