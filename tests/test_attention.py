@@ -1,6 +1,8 @@
 """Every attention implementation against a float64 reference: outputs and gradients."""
 
+import contextlib
 import copy
+import importlib.metadata
 import json
 import math
 import subprocess
@@ -13,6 +15,7 @@ import torch
 from helpers import GPT, GPTConfig
 from helpers.measure.attention_bench import flash_refusal, sdpa_backend_used
 from helpers.model.attention import IMPLEMENTATIONS, CausalSelfAttention, unavailable_reason
+from helpers.system.optional import version_of
 
 NAMES = list(IMPLEMENTATIONS)
 # (batch, seq, d_in, d_model, heads): batch 1, seq 1, lengths that are neither powers of two nor
@@ -78,6 +81,26 @@ def test_unavailable_implementations_say_why():
             CausalSelfAttention(32, 4, attn_implementation="flash_attention_2")(torch.randn(1, 5, 32))
 
 
+def test_forwards_read_package_metadata_at_most_once(monkeypatch):
+    # A metadata lookup (0.2-1.4 ms) per forward would take longer than the attention it asks about.
+    lookups = []
+
+    def counting_version(dist):
+        lookups.append(dist)
+        return real_version(dist)
+
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", counting_version)
+    version_of.cache_clear()  # an earlier test may have looked it up already
+    x = torch.randn(1, 5, 32)
+    for name in ("sdpa", "flash_attention_2"):  # flash_attention_2 asks whether flash-attn is installed, then refuses
+        module = CausalSelfAttention(32, 4, attn_implementation=name)
+        for _ in range(3):
+            with contextlib.suppress(RuntimeError):
+                module(x)
+    assert len(lookups) <= 1, lookups
+
+
 def test_gpt_gives_the_same_logits_under_every_available_implementation():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=101, context_length=48, d_model=64, n_heads=4, n_layers=2, dropout=0.0))
@@ -117,6 +140,26 @@ def test_bench_attention_cli_json():
     assert rows["flex_attention"]["status"] == "skipped" and "CPU" in rows["flex_attention"]["reason"]
     if not torch.cuda.is_available():
         assert rows["flash_attention_2"]["status"] == "skipped" and rows["flash_attention_2"]["reason"]
+
+
+def test_compiled_bench_compiles_every_implementation_past_the_recompile_limit():
+    from helpers.measure.attention_bench import make_step
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    # What the bench compiles on CPU (not flash_torch; flash_triton's interpreter does not trace), at two lengths:
+    # 16 compilations of CausalSelfAttention.forward, twice dynamo's recompile limit.
+    names = ["wrapper", "stacked", "eager", "einsum", "sdpa", "sdpa_mask", "nn_mha", "flex_attention"]
+    for name, seq in [(name, seq) for seq in (8, 16) for name in names]:
+        _, step = make_step(name, 1, seq, 16, 2, torch.float32, torch.device("cpu"), "compiled",
+                            backend=counting_backend)
+        before = len(graphs)
+        step()
+        assert len(graphs) > before, f"{name} at seq {seq} ran eagerly instead of compiled"
 
 
 def test_tiled_and_fused_attention_peak_memory_is_a_fraction_of_eager():

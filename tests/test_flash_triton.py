@@ -21,7 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.model.flash_triton import flash_attention_triton, launch_config, triton_unavailable_reason
+from helpers.model.flash_triton import (
+    compute_capability_reason,
+    flash_attention_triton,
+    launch_config,
+    triton_unavailable_reason,
+)
+from helpers.system.device import REFERENCE_DEVICES
 from helpers.system.optional import MissingOptionalPackage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,9 +110,11 @@ for name, blocks in [("fwd", (cfg.fwd_m, cfg.fwd_n)), ("bwd_dkdv", (cfg.dkdv_m, 
     compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     shared[name] = compiled.metadata.shared
+torch.cuda.is_available, torch.cuda.get_device_capability = lambda: True, lambda device=None: (7, 5)  # a T4
+t4 = ft.triton_unavailable_reason("cuda", torch.float16)
 os.environ["TRITON_INTERPRET"] = "1"  # too late: triton is imported
 late = ft.triton_unavailable_reason("cpu", torch.float32)
-print(json.dumps({"lazy": lazy, "raised": raised, "off": off, "late": late, "shared": shared}))
+print(json.dumps({"lazy": lazy, "raised": raised, "off": off, "late": late, "shared": shared, "t4": t4}))
 """
 
 
@@ -158,6 +166,19 @@ def test_kernels_compile_for_an_h100(not_interpreted):
     # The interpreter runs any Python; this is the check that the compiler accepts the kernels.
     for kernel, shared_bytes in not_interpreted["shared"].items():
         assert 0 < shared_bytes <= 227 * 1024, kernel  # an H100 gives a block at most 227 KiB
+
+
+def test_gpus_below_compute_capability_8_are_refused():
+    # Triton supports 8.0+; on a T4 the backward kernels ask for more shared memory than a block gets.
+    reason = compute_capability_reason(REFERENCE_DEVICES["t4"].compute_capability)
+    assert "compute capability 8.0+" in reason and "not 7.5" in reason and "sdpa" in reason
+    assert compute_capability_reason(REFERENCE_DEVICES["a100"].compute_capability) is None  # 8.0
+    assert compute_capability_reason(REFERENCE_DEVICES["h100"].compute_capability) is None  # 9.0
+
+
+@needs_triton
+def test_compiled_kernels_are_refused_on_a_t4(not_interpreted):
+    assert "compute capability 8.0+" in not_interpreted["t4"]
 
 
 def test_reasons_that_need_no_triton():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -49,8 +50,14 @@ def _skip_reason(name: str, mode: str, device: torch.device, dtype: torch.dtype,
 
 
 def make_step(name: str, batch: int, seq: int, d_model: int, heads: int, dtype: torch.dtype,
-              device: torch.device, mode: str, seed: int = 0):
-    """A module with seeded weights and a zero-argument function running one measured step."""
+              device: torch.device, mode: str, seed: int = 0, backend: str | Callable = "inductor"):
+    """A module with seeded weights and a zero-argument function running one measured step.
+
+    Mode "compiled" compiles with `backend` (torch.compile's default; tests pass one that counts graphs) after
+    `torch.compiler.reset()`, which drops every compiled graph in the process. Without it the implementations
+    (and shapes) compiled before pile up on the one `CausalSelfAttention.forward`, and past dynamo's recompile
+    limit (8) the rest run eagerly without an error; a second shape would also compile a dynamic-shape graph.
+    """
     torch.manual_seed(seed)
     module = CausalSelfAttention(d_model, heads, attn_implementation=name).to(device=device, dtype=dtype)
     x = torch.randn(batch, seq, d_model, device=device, dtype=dtype, requires_grad=mode == "fwdbwd")
@@ -60,7 +67,10 @@ def make_step(name: str, batch: int, seq: int, d_model: int, heads: int, dtype: 
         def step():
             module(x).backward(grad)
     else:
-        run = torch.compile(module) if mode == "compiled" else module
+        run = module
+        if mode == "compiled":
+            torch.compiler.reset()
+            run = torch.compile(module, backend=backend)
 
         def step():
             with torch.no_grad():

@@ -54,6 +54,19 @@ def _interpreter_mode(triton) -> bool | None:
     return now if now == at_import else None
 
 
+def compute_capability_reason(compute_capability: tuple[int, int]) -> str | None:
+    """None when the compiled kernels can run on a CUDA GPU of this compute capability, else why not.
+
+    Triton supports 8.0+. On a T4 (7.5) tl.dot runs on the FMA units (no tensor cores), the forward pass takes
+    all 64 KiB of shared memory a block gets (and spills registers), and the backward kernels need 80 KiB.
+    """
+    if compute_capability >= (8, 0):
+        return None
+    major, minor = compute_capability
+    return (f"Triton supports GPUs of compute capability 8.0+ (Ampere or newer), not {major}.{minor} (a T4 lacks the "
+            "shared memory for the backward pass): use attn_implementation='sdpa'")
+
+
 def triton_unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
     """None when `flash_attention_triton` can run on this device and dtype, else a one-line reason."""
     device = torch.device(device)
@@ -78,9 +91,7 @@ def triton_unavailable_reason(device: torch.device | str, dtype: torch.dtype) ->
         return f"Triton does not run on {device.type} tensors"
     if not torch.cuda.is_available():
         return "CUDA is not available"
-    if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
-        return "bfloat16 needs a GPU with compute capability 8.0+ (Ampere or newer): use float16"
-    return None
+    return compute_capability_reason(torch.cuda.get_device_capability(device))
 
 
 class LaunchConfig(NamedTuple):
