@@ -7,7 +7,8 @@ For each preset (context 1024, dropout off, bf16 autocast; fp16 with a gradient 
 the largest batch whose training step fits (doubling, then bisection, catching out-of-memory errors), tokens/s
 of a training step at every power of two up to it and of a forward pass at it, and MFU against the datasheet's
 dense peak and against a measured matmul. Also the device's measured matmul peak and memory bandwidth and
-gpt2-small's operations timed for the roofline. Notebook 02 shows the results.
+gpt2-small's operations timed for the roofline. Notebook 02 shows the results. A preset or an operation that
+fails is recorded in the JSON's "errors" and the run goes on; the JSON is rewritten after each of them.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
-import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -35,9 +34,11 @@ from helpers.measure.mfu import (  # noqa: E402
     mfu,
     peak_flops,
 )
+from helpers.measure.results import ResultsFile, results_path, save_figure  # noqa: E402
 from helpers.measure.roofline import gpt_operations, time_operation  # noqa: E402
 from helpers.model.config import PRESETS  # noqa: E402
 from helpers.model.gpt import GPT  # noqa: E402
+from helpers.system.args import positive_float, positive_int  # noqa: E402
 from helpers.system.device import autocast_dtype, detect_capabilities, dtype_name  # noqa: E402
 from helpers.system.env import environment_report  # noqa: E402
 
@@ -87,7 +88,13 @@ def bench_preset(name: str, seq: int, max_batch: int, dtype, min_run_time: float
                     search.batch_size})
     sweep = {b: throughput_or_oom(model, "train", b, seq, dtype, min_run_time, peak, measured_peak, device)
              for b in sizes}
-    best = max(b for b, row in sweep.items() if row is not None)
+    measured = [b for b, row in sweep.items() if row is not None]
+    if not measured:
+        del model
+        release(device)
+        return {"preset": name, "seq": seq, "status": f"batch {search.batch_size} fit in the search, but every "
+                "throughput measurement ran out of memory", "batch_search": asdict(search)}
+    best = max(measured)
     row = {"preset": name, "status": status, "parameters": model.num_parameters(), "seq": seq, "batch_size": best,
            "batch_search": asdict(search), "train": sweep[best],
            "forward": throughput_or_oom(model, "forward", best, seq, dtype, min_run_time, peak, measured_peak, device),
@@ -100,14 +107,14 @@ def bench_preset(name: str, seq: int, max_batch: int, dtype, min_run_time: float
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device: checks the script itself")
     parser.add_argument("--models", nargs="+", choices=list(PRESETS), help=f"presets (default: {' '.join(GPT2)})")
-    parser.add_argument("--max-batch", type=int, help="largest batch size tried (default 64; smoke 4)")
-    parser.add_argument("--min-run-time", type=float, help="seconds of timed runs per measurement (default 1)")
-    args = parser.parse_args()
+    parser.add_argument("--max-batch", type=positive_int, help="largest batch size tried (default 64; smoke 4)")
+    parser.add_argument("--min-run-time", type=positive_float, help="seconds of timed runs per measurement (default 1)")
+    args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU; use --smoke to check the script on CPU")
     caps = detect_capabilities("cuda" if torch.cuda.is_available() else "cpu")
@@ -127,24 +134,33 @@ def main() -> None:
            "dtype": dtype_name(dtype), "peak_flops": peak.flops,
            "peak_source": peak.source, "measured_matmul_flops": measured_peak, "measured_bandwidth": bandwidth,
            "presets": []}
+    results = ResultsFile(results_path(args.out, "flops", caps.name), run)
     for name in presets:
-        run["presets"].append(bench_preset(name, seq, max_batch, dtype, run_time, peak.flops, measured_peak, device))
+        with results.item(f"preset {name}"):
+            run["presets"].append(bench_preset(name, seq, max_batch, dtype, run_time, peak.flops, measured_peak,
+                                              device))
+        error = run["errors"].get(f"preset {name}")
+        if error:  # a row all the same: readers list every preset, with why it has no numbers
+            run["presets"].append({"preset": name, "seq": seq, "status": error.splitlines()[0]})
         print(f"{name}: done at {time.perf_counter() - started:.0f} s", flush=True)
     config_name, batch, roofline_seq = roofline_shape
-    rows = []
-    for op in gpt_operations(PRESETS[config_name], batch, roofline_seq, device, dtype or torch.float32):
-        seconds = time_operation(op, min_run_time=run_time / 4)
-        rows.append({"name": op.name, "kind": op.kind, "flops": op.flops, "bytes": op.bytes,
-                     "intensity": op.intensity, "seconds": seconds, "flops_per_s": op.flops / seconds})
+    run["roofline"] = {"preset": config_name, "batch": batch, "seq": roofline_seq, "operations": []}
+    operations = []
+    with results.item("roofline operations"):
+        operations = gpt_operations(PRESETS[config_name], batch, roofline_seq, device, dtype or torch.float32)
+    for op in operations:
+        with results.item(f"roofline {op.name}"):
+            seconds = time_operation(op, min_run_time=run_time / 4)
+            run["roofline"]["operations"].append({"name": op.name, "kind": op.kind, "flops": op.flops,
+                                                  "bytes": op.bytes, "intensity": op.intensity, "seconds": seconds,
+                                                  "flops_per_s": op.flops / seconds})
         release(device)
-    run["roofline"] = {"preset": config_name, "batch": batch, "seq": roofline_seq, "operations": rows}
+    del operations
     run["seconds"] = round(time.perf_counter() - started, 1)
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^a-z0-9]+", "-", caps.name.lower()).strip("-")
-    (args.out / f"flops_{slug}.json").write_text(json.dumps(run, indent=1))
-    plot(run, args.out / f"flops_{slug}.png")
-    print(f"wrote {args.out}/flops_{slug}.json and .png in {run['seconds']} s")
+    results.save()
+    plot(run, results.path.with_suffix(".png"))
+    failed = f"; {len(run['errors'])} item(s) failed, see its errors" if run["errors"] else ""
+    print(f"wrote {results.path} and .png in {run['seconds']} s{failed}")
 
 
 def plot(run: dict, path: Path) -> None:
@@ -167,9 +183,10 @@ def plot(run: dict, path: Path) -> None:
     ax2.legend(fontsize=8)
     ops = run["roofline"]["operations"]
     peak, bandwidth = run["measured_matmul_flops"], run["measured_bandwidth"]
-    xs = [min(op["intensity"] for op in ops) / 2, max(op["intensity"] for op in ops) * 2]
     ridge = peak / bandwidth
-    ax3.loglog([xs[0], ridge, max(xs[1], 2 * ridge)], [xs[0] * bandwidth, peak, peak], "k-", label="roofline")
+    intensities = [op["intensity"] for op in ops] or [ridge / 50, ridge * 5]  # no operation measured: the roof
+    low, high = min(intensities) / 2, max(intensities) * 2
+    ax3.loglog([low, ridge, max(high, 2 * ridge)], [low * bandwidth, peak, peak], "k-", label="roofline")
     for op in ops:
         ax3.loglog(op["intensity"], op["flops_per_s"], "o", label=op["name"])
     ax3.set_xlabel("arithmetic intensity (FLOP/byte)")
@@ -178,7 +195,7 @@ def plot(run: dict, path: Path) -> None:
     ax3.legend(fontsize=6)
     fig.suptitle(f"{run['device_name']}, {run['dtype']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

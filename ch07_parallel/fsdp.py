@@ -22,6 +22,7 @@ import argparse
 import copy
 import gc
 import statistics
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,20 @@ def warm_up(strategy: str, runtime) -> None:
     opt.step()
     del model, opt
     gc.collect()
+
+
+def training_peak_bytes(train: Callable[[], None], device: torch.device, model_rss: int | None) -> tuple[int, str]:
+    """The peak memory of the training steps, the model they train included, each byte counted once; and its kind.
+
+    CUDA: what `train()` adds at its peak above what was allocated just before it (the model), plus that. The
+    optimizer state the first step creates is in the peak already: adding what is allocated *after* the steps
+    would count it twice. CPU: the peak RSS above the process just before `train()`, plus what building the model
+    added (`model_rss`).
+    """
+    if device.type == "cuda":
+        before = torch.cuda.memory_allocated(device)
+        return peak_cuda_bytes(train, device) + before, "cuda max_memory_allocated"
+    return peak_rss_above_baseline(train) + (model_rss or 0), "peak RSS above the process before the model was built"
 
 
 def collective_bytes(runtime, numel: int) -> dict:
@@ -159,12 +174,7 @@ def main() -> None:
             w1 = bytes_written()
             written.append(None if w0 is None or runtime.backend != "gloo" else w1 - w0)
 
-    if device.type == "cuda":
-        peak = peak_cuda_bytes(train, device) + torch.cuda.memory_allocated(device)
-        peak_kind = "cuda max_memory_allocated"
-    else:
-        peak = peak_rss_above_baseline(train) + (model_rss or 0)
-        peak_kind = "peak RSS above the process before the model was built"
+    peak, peak_kind = training_peak_bytes(train, device, model_rss)
     state["parameters"] = sum(local_bytes(p) for p in model.parameters())
     state["optimizer"] = sum(local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
+from .system.files import atomic_path
 from .system.repository import REPOSITORY_URL, ROOT
 
 BOOTSTRAP_SOURCE = '''\
@@ -71,12 +72,23 @@ class NotebookRun:
 
 def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
                      timeout: int = 900) -> NotebookRun:
-    """Run every cell in a fresh kernel (in the notebook's folder); optionally save the result."""
+    """Run every cell in a fresh kernel (in the notebook's folder); optionally save the result.
+
+    A failing cell, a cell running past `timeout` seconds and a kernel that dies (out of host memory, say) all
+    end this notebook's run with its `error`, never the caller's loop over notebooks; the outputs up to there
+    are saved all the same, so the report shows where it stopped.
+    """
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     # Progress bars redraw in place in a live notebook; in a saved one every redraw stays, so draw rarely.
     env = dict(os.environ, COURSE_SMOKE="1" if smoke else "0", TQDM_MININTERVAL="30")
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+    running = ["before the first cell"]  # where the run is: the error of a timeout or a dead kernel names it
+
+    def started(cell, cell_index: int) -> None:
+        first_line = cell.source.strip().split("\n")[0]
+        running[0] = f"cell {cell_index + 1} ({first_line!r})"
+
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", on_cell_start=started,
                             resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
     error = None
@@ -84,8 +96,12 @@ def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
         client.execute(env=env)
     except CellExecutionError as err:
         error = str(err)
+    except CellTimeoutError:
+        error = f"{running[0]} timed out after {timeout} s"
+    except DeadKernelError:
+        error = f"kernel died (out of host memory?) in {running[0]}"
     seconds = time.perf_counter() - start
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nb, output)
+        with atomic_path(output) as tmp:
+            nbformat.write(nb, tmp)
     return NotebookRun(path, seconds, error)

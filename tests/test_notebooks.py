@@ -50,3 +50,27 @@ def test_sync_bootstrap_inserts_updates_and_is_idempotent(tmp_path):
     assert sync_bootstrap(path, url="https://example.org/fork")
     cells = nbformat.read(path, as_version=4).cells
     assert len(cells) == 3 and 'REPOSITORY_URL = "https://example.org/fork"' in cells[1].source
+
+
+def write_notebook(path, *sources):
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources]), path)
+    return path
+
+
+@pytest.mark.parametrize("cell, message", [
+    ("import time\ntime.sleep(30)", "cell 2 ('import time') timed out after 2 s"),
+    ("import os\nos._exit(1)", "kernel died (out of host memory?) in cell 2 ('import os')"),
+], ids=["timeout", "dead-kernel"])
+def test_run_notebooks_records_a_stuck_or_dead_notebook_and_runs_the_next(tmp_path, capsys, cell, message):
+    """`make course` must not stop at a cell past --timeout or a kernel the host's OOM killer ended: that notebook
+    fails with a message naming the cell, its outputs so far are saved, and the next notebook runs."""
+    from helpers.__main__ import main
+
+    bad = write_notebook(tmp_path / "bad.ipynb", "print('before')", cell, "print('never')")
+    good = write_notebook(tmp_path / "good.ipynb", "print('ran')")
+    status = main(["run-notebooks", str(bad), str(good), "--out", str(tmp_path / "out"), "--timeout", "2"])
+    out, err = capsys.readouterr()
+    assert status == 1 and "1 passed, 1 failed" in out and message in err
+    saved = {p.name: nbformat.read(p, as_version=4) for p in (tmp_path / "out").glob("*.ipynb")}
+    assert saved["bad.ipynb"].cells[0].outputs[0].text == "before\n"
+    assert saved["good.ipynb"].cells[0].outputs[0].text == "ran\n"

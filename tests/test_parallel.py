@@ -280,3 +280,32 @@ def test_pipeline_stages_cover_the_layers_and_reject_dropout():
         last(x)
     with pytest.raises(ValueError, match="dropout=0.0"):
         pipeline_stage(GPT(GPTConfig(vocab_size=32, context_length=8, d_model=16, n_heads=2, n_layers=2)), 0, 2)
+
+
+def test_fsdp_counts_the_peak_of_the_training_steps_once(monkeypatch):
+    """On CUDA the peak is what the steps add above the model, plus the model: never plus the optimizer state the
+    steps created, which the peak already holds (that counted AdamW's moments twice)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ch07_fsdp", CH07 / "fsdp.py")
+    fsdp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fsdp)
+    memory = {"allocated": 100, "peak": 100}  # a fake CUDA allocator holding a 100-byte model
+
+    def allocate(n: int) -> None:
+        memory["allocated"] += n
+        memory["peak"] = max(memory["peak"], memory["allocated"])
+
+    def train() -> None:
+        allocate(50)  # AdamW's moments: created by the first step, kept
+        allocate(30)  # activations and gradients: freed by the end of the step
+        allocate(-30)
+
+    def peak_cuda_bytes(fn, device):  # as helpers.measure.memory's: the peak above what was allocated before
+        before = memory["peak"] = memory["allocated"]
+        fn()
+        return memory["peak"] - before
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: memory["allocated"])
+    monkeypatch.setattr(fsdp, "peak_cuda_bytes", peak_cuda_bytes)
+    assert fsdp.training_peak_bytes(train, torch.device("cuda"), None) == (180, "cuda max_memory_allocated")

@@ -2,8 +2,8 @@
 
 The rungs are cumulative: each keeps what the rungs below it applied and adds one change (`LADDER`). A rung that
 does not apply on this device (TF32 on a CPU, bf16 where it is not native) is reported as skipped, with why, and
-the next rung builds on the one below it; a rung that fails is reported with its error (as are the rungs above
-it, which include its change). Every rung starts
+the next rung builds on the one below it; a rung that fails (out of memory, a compiler error) is reported with its
+error and the ladder goes on to the rungs above it. Every rung starts
 from the same initial weights and trains on the same batches, so their losses must agree (within the rounding of
 their precision), which the report keeps next to the speed.
 
@@ -246,7 +246,7 @@ def make_batches(vocab_size: int, settings: StepSettings, device: torch.device |
 class RungResult:
     name: str
     label: str
-    status: str  # "ok", "skipped" or "error"
+    status: str  # "ok", "skipped", "error", or "pending" (set up, its interleaved timing not yet run)
     note: str  # what the rung changes, why it was skipped, or the error
     settings: dict | None = None
     step_ms: float | None = None  # median milliseconds per optimizer step
@@ -306,24 +306,28 @@ class Ladder:
             torch.cuda.empty_cache()
 
     def _error(self, result: RungResult, err: Exception) -> RungResult:
-        self._release()
         return dataclasses.replace(result, status="error", note=f"{type(err).__name__}: {err}".splitlines()[0])
 
     def _measured(self, result: RungResult, seconds: list[float], losses: list[float]) -> RungResult:
         s = StepSettings(**result.settings)
         median = statistics.median(seconds)
-        return dataclasses.replace(result, step_ms=1e3 * median, tokens_per_s=s.tokens_per_step / median,
+        return dataclasses.replace(result, status="ok", step_ms=1e3 * median, tokens_per_s=s.tokens_per_step / median,
                                    mfu=mfu(self.flops_per_step(s) / median, self.peak.flops),
                                    first_loss=losses[0], last_loss=losses[-1])
 
-    def climb(self, progress: bool = False) -> list[RungResult]:
-        """Measure each rung (cumulative settings); the fastest one's step is kept for `compare_with_transformers`."""
+    def climb(self, progress: bool = False, on_rung: Callable[[], None] | None = None) -> list[RungResult]:
+        """Measure each rung (cumulative settings); the fastest one's step is kept for `compare_with_transformers`.
+
+        on_rung: called after each rung, when `results` and `report()` include it (a script saves the report, so a
+        crash later loses nothing measured).
+        """
         torch.compiler.reset()  # compiled code of an earlier ladder in this process must not count here
         results, steps, warm = [], {}, {}
+        self.results = results  # filled as the ladder climbs, so report() shows the rungs so far
         for rung in tqdm(self.plan, desc="rungs", disable=not progress):
             result = RungResult(rung.name, rung.label, "skipped", rung.note)
             if rung.settings is not None:
-                result = dataclasses.replace(result, status="ok", settings=dataclasses.asdict(rung.settings))
+                result = dataclasses.replace(result, status="pending", settings=dataclasses.asdict(rung.settings))
                 try:  # errors: e.g. no C++ compiler for torch.compile on a CPU, or out of memory
                     step = self._step(self._model(rung.settings), rung.settings)
                     warm[rung.name] = warm_up(step, self.warmup)
@@ -335,9 +339,16 @@ class Ladder:
                         self._release()
                     else:
                         steps[rung.name] = step
-                except RuntimeError as err:  # torch.OutOfMemoryError included
+                except Exception as err:  # one rung's failure (out of memory, no compiler) must not end the ladder
                     result = self._error(result, err)
+                if result.status == "error":
+                    # out of the except block, whose traceback held them: free the failed rung's model and
+                    # optimizer before the next rung builds its own
+                    step = None
+                    self._release()
             results.append(result)
+            if on_rung is not None:
+                on_rung()
         if steps:
             rounds = timed_rounds(steps, self.steps, self.device)
             for i, result in enumerate(results):
@@ -347,7 +358,8 @@ class Ladder:
                     self._keep_if_best(results[i], steps[result.name])
             del steps
             self._release()
-        self.results = results
+            if on_rung is not None:
+                on_rung()
         return results
 
     def _keep_if_best(self, result: RungResult, step: functools.partial) -> None:
@@ -356,9 +368,27 @@ class Ladder:
 
     def compare_with_transformers(self) -> dict:
         """Our best rung against transformers' GPT2LMHeadModel with the same settings, timed in the same rounds:
-        eager and, when our best rung is compiled, compiled too."""
+        eager and, when our best rung is compiled, compiled too.
+
+        The comparison's status says when it could not run (no rung ran, no transformers) or failed (out of
+        memory, say: it holds three models), with why; the ladder's measurements stand either way.
+        """
         if self.best is None:
-            raise RuntimeError("no rung ran: climb() the ladder first")
+            if not self.results:
+                raise RuntimeError("climb() the ladder before comparing its best rung")
+            self.comparison = {"status": "unavailable",
+                               "note": "no rung ran: every rung failed or was skipped (each rung's note says why)"}
+            return self.comparison
+        best = self.best[0]
+        try:
+            self.comparison = self._race_transformers()
+        except Exception as err:
+            self._release()
+            self.comparison = {"best_rung": best.name, "settings": best.settings, "status": "error",
+                               "note": f"{type(err).__name__}: {err}".splitlines()[0]}
+        return self.comparison
+
+    def _race_transformers(self) -> dict:
         best, ours = self.best
         s = StepSettings(**best.settings)
         initial = self._model(s)  # the initial weights, padded as our best rung's
@@ -368,8 +398,7 @@ class Ladder:
         try:
             peer = transformers_peer(initial)
         except (ImportError, ValueError) as err:
-            self.comparison = {**out, "status": "unavailable", "note": str(err)}
-            return self.comparison
+            return {**out, "status": "unavailable", "note": str(err)}
         steps = {"ours": ours,
                  "transformers_eager": self._step(peer, dataclasses.replace(s, compile=False), peer_logits)}
         if s.compile:
@@ -384,7 +413,6 @@ class Ladder:
                 "first_loss": {name: losses[0] for name, losses in warm.items()}}
         del steps, peer, initial
         self._release()
-        self.comparison = out
         return out
 
     def report(self) -> dict:
@@ -425,13 +453,19 @@ def check_bench_args(config: GPTConfig, batch: int, ctx: int, steps: int, warmup
 
 
 def bench_train(model: str, batch: int, ctx: int, steps: int = 5, warmup: int = 2, accumulation: int = 4,
-                device: str | None = None, until: str | None = None, progress: bool = False) -> dict:
-    """Climb the ladder for a preset and race transformers: the report of `python -m helpers bench-train`."""
+                device: str | None = None, until: str | None = None, progress: bool = False,
+                on_report: Callable[[dict], None] | None = None) -> dict:
+    """Climb the ladder for a preset and race transformers: the report of `python -m helpers bench-train`.
+
+    on_report: called with the report so far after each rung and after the race (to save it as it grows).
+    """
     if model not in PRESETS:
         raise ValueError(f"unknown model {model!r}; valid presets: {', '.join(PRESETS)}")
     ladder = Ladder(PRESETS[model], batch, ctx, steps, warmup, accumulation, device, until, model_name=model)
-    ladder.climb(progress)
+    ladder.climb(progress, on_rung=None if on_report is None else lambda: on_report(ladder.report()))
     ladder.compare_with_transformers()
+    if on_report is not None:
+        on_report(ladder.report())
     return ladder.report()
 
 
