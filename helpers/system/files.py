@@ -24,6 +24,13 @@ def fsync_dir(directory: str | os.PathLike) -> None:
             os.close(fd)
 
 
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set it back at once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to `path`; once the caller has written it, it replaces `path` in one rename.
@@ -35,6 +42,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     os.close(fd)
     tmp = Path(name)
+    os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it private (0600); a written file gets the usual mode
     try:
         yield tmp
         with open(tmp, "rb+") as f:
