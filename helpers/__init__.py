@@ -2,7 +2,7 @@
 
 from .model.config import PRESETS, GPTConfig
 from .model.gpt import GPT
-from .system.device import autocast_dtype, detect_capabilities, needs_grad_scaler
+from .system.device import autocast_dtype, detect_capabilities, dtype_name, needs_grad_scaler
 from .system.env import environment_line, environment_report
 from .system.optional import quiet_expected_library_logs
 from .system.scale import by_scale, current_scale
@@ -17,6 +17,7 @@ __all__ = [
     "by_scale",
     "current_scale",
     "detect_capabilities",
+    "dtype_name",
     "environment_line",
     "environment_report",
     "get_tokenizer",

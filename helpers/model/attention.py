@@ -341,7 +341,9 @@ class CausalSelfAttention(nn.Module):
         name = self.attn_implementation
         dropout_p = self.attn_dropout if self.training else 0.0
         backward = torch.is_grad_enabled() and (x.requires_grad or self.qkv.weight.requires_grad)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        # (autocast has no meta device: a memory plan, helpers.measure.memory_plan, replays the model there)
+        autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
         reason = unavailable_reason(name, x.device, dtype, self.d_in, self.d_model, backward, dropout_p,
                                     cached=cache is not None)
         if reason is not None:

@@ -32,13 +32,15 @@ class DeviceCapabilities:
         return torch.device(self.device_type)
 
 
-# Records of common hardware, for tests and for the README's hardware matrix.
+# Records of common hardware, for tests and for the README's hardware matrix. A GPU's memory is what torch reports
+# as its total (the card's nominal size less what the driver reserves), rounded down: 14.7 GiB on a 16 GB T4.
 REFERENCE_DEVICES = {
     "cpu": DeviceCapabilities("cpu", "x86-64 CPU with AVX-512 BF16", None, 16 << 30, True, 8),
     "cpu-no-bf16": DeviceCapabilities("cpu", "x86-64 CPU with AVX2", None, 16 << 30, False, 8),
     "mps": DeviceCapabilities("mps", "Apple M2", None, 16 << 30, True, 8),
-    "t4": DeviceCapabilities("cuda", "Tesla T4", (7, 5), 15 << 30, False, 2),
-    "a100": DeviceCapabilities("cuda", "NVIDIA A100-SXM4-40GB", (8, 0), 40 << 30, True, 12, "2.7.4", "3.3.0"),
+    "t4": DeviceCapabilities("cuda", "Tesla T4", (7, 5), int(14.7 * (1 << 30)), False, 2),
+    "l4": DeviceCapabilities("cuda", "NVIDIA L4", (8, 9), 22 << 30, True, 12),
+    "a100": DeviceCapabilities("cuda", "NVIDIA A100-SXM4-40GB", (8, 0), 39 << 30, True, 12, "2.7.4", "3.3.0"),
     "h100": DeviceCapabilities("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 << 30, True, 16, "2.7.4", "3.3.0"),
 }
 

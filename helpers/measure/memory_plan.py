@@ -1,0 +1,236 @@
+"""Peak memory of a step on a GPU we do not have: the step's own code replayed on the meta device.
+
+Meta tensors carry shapes and dtypes but no data, so a training step of a 1.5B-parameter model "runs" on a laptop
+in seconds. `LiveTensorBytes` sees every tensor the step allocates (forward, backward, optimizer) and, through a
+weak reference on each storage, when it is freed; the largest sum of live storages is the step's peak tensor
+memory, what `torch.cuda.max_memory_allocated` reports on the GPU (less the allocator's rounding).
+
+A meta replay does not see two things on its own, so the plan stands them in:
+
+* autocast acts on CUDA and CPU tensors, not on meta ones: `AutocastPlan` casts the inputs of the functions CUDA's
+  autocast runs in low precision (matmuls, attention) and of those it runs in fp32 (norms, softmax, the loss), and
+  keeps each weight's cast until the forward ends, as autocast's cache does;
+* on meta, SDPA takes its math path (a T x T score matrix per head); on a GPU it runs a fused kernel (flash or
+  memory-efficient) that keeps only its output and one log-sum-exp per query for the backward.
+  `fused_attention=True` stands such a kernel in.
+
+What is not a tensor (the CUDA context, cuBLAS workspaces, the caching allocator's rounding and fragmentation)
+is an allowance (`CUDA_CONTEXT_BYTES`, `FRAGMENTATION`) added by `MemoryPlan.required_bytes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..model.config import GPTConfig
+from ..model.gpt import GPT
+from ..system.device import DeviceCapabilities
+from ..training.step import token_loss_sum
+
+GIB = 1 << 30
+CUDA_CONTEXT_BYTES = GIB  # CUDA context, cuBLAS/cuDNN workspaces and kernels loaded: 0.3-0.9 GiB on current GPUs
+FRAGMENTATION = 0.10  # the caching allocator's rounding and fragmentation, as a share of the tensor peak
+HOST_RAM_BYTES = 12 * GIB  # what a free Colab machine gives a notebook (12.7 GB, less the system's share)
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Bytes of tensor storage alive now (`current`) and at most (`peak`) while the mode is on; each storage counted
+    once however many views share it, and freed when its last reference (autograd's saved tensors included) goes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = self.peak = 0
+        self._alive: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return 0  # .item() of a meta tensor (a token-id check, a loss to print): no value, any will do
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)  # a storage's Python object lives as long as the storage itself
+        if key in self._alive:
+            return
+        self._alive.add(key)
+        size = storage.nbytes()
+        self.current += size
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key, size)
+
+    def _free(self, key: int, size: int) -> None:
+        self._alive.discard(key)
+        self.current -= size
+
+
+# The functions CUDA's autocast runs in low precision and those it runs in fp32, by name (torch.amp's op lists).
+LOW_PRECISION = {"linear", "matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm", "einsum",
+                 "scaled_dot_product_attention", "conv1d", "conv2d"}
+FULL_PRECISION = {"layer_norm", "group_norm", "rms_norm", "softmax", "log_softmax", "cross_entropy", "nll_loss"}
+
+
+class AutocastPlan(TorchFunctionMode):
+    """torch.autocast's casts on meta tensors: inputs of LOW_PRECISION functions to `dtype`, of FULL_PRECISION
+    ones to fp32; each leaf weight cast once per forward and kept (autocast's weight cache)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def _cast(self, t, dtype: torch.dtype):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == dtype:
+            return t
+        if t.is_leaf and t.requires_grad and dtype == self.dtype:
+            if id(t) not in self._cache:
+                self._cache[id(t)] = t.to(dtype)
+            return self._cache[id(t)]
+        return t.to(dtype)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in LOW_PRECISION or name in FULL_PRECISION:
+            dtype = self.dtype if name in LOW_PRECISION else torch.float32
+            args, kwargs = tree_map(lambda t: self._cast(t, dtype), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc):
+        self._cache.clear()  # autocast drops its weight cache when the region ends
+        return super().__exit__(*exc)
+
+
+class FusedAttentionPlan(torch.autograd.Function):
+    """The memory of a fused attention kernel (FlashAttention, memory-efficient): it saves q, k, v, its output
+    and one fp32 log-sum-exp per query and head; the backward adds one fp32 value per query and head."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, lse = ctx.saved_tensors
+        torch.empty_like(lse)  # rowsum(dO * O), computed before the tiles and freed after them
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class FusedAttention(TorchFunctionMode):
+    """Replaces F.scaled_dot_product_attention (causal, no mask) with `FusedAttentionPlan`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None:
+            return FusedAttentionPlan.apply(*args[:3])
+        return func(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A step's tensor memory, planned: `peak_bytes` at its highest, `end_bytes` still held after it."""
+
+    peak_bytes: int
+    end_bytes: int
+
+    @property
+    def required_bytes(self) -> int:
+        """The peak with the allowance for what is not a tensor: what the device must offer."""
+        return int(self.peak_bytes * (1 + FRAGMENTATION)) + CUDA_CONTEXT_BYTES
+
+    def fits(self, caps: DeviceCapabilities) -> bool:
+        """True when the device's memory holds the planned step (on CPU and MPS: the host's RAM, no context)."""
+        if caps.device_type == "cuda":
+            return caps.total_memory_bytes is not None and self.required_bytes <= caps.total_memory_bytes
+        return self.peak_bytes <= min(caps.total_memory_bytes or HOST_RAM_BYTES, HOST_RAM_BYTES)
+
+    def __str__(self) -> str:
+        return f"peak {self.peak_bytes / GIB:.2f} GiB of tensors, {self.required_bytes / GIB:.2f} GiB with allowance"
+
+
+def plan_memory(work: Callable[[], object], *, device: str = "meta", fused_attention: bool = True) -> MemoryPlan:
+    """Run `work()` (which creates its tensors on the default device) on `device` and return its tensor memory.
+
+    device: "meta" plans without running anything (`fused_attention` then stands in a GPU's fused attention);
+    "cpu" runs the work for real and measures it the same way (the reference a plan is checked against).
+    """
+    tracker = LiveTensorBytes()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.device(device))
+        if fused_attention and device == "meta":
+            stack.enter_context(FusedAttention())
+        stack.enter_context(tracker)
+        kept = work()
+        end = tracker.current
+    del kept
+    return MemoryPlan(tracker.peak, end)
+
+
+@functools.lru_cache(maxsize=256)  # a plan replays the whole step: notebooks and tests ask for the same ones
+def training_step_plan(config: GPTConfig, batch: int, seq: int, *, autocast: torch.dtype | None = None,
+                       micro_batches: int = 1, fused_attention: bool = True, attn_implementation: str = "sdpa",
+                       steps: int = 2, device: str = "meta") -> MemoryPlan:
+    """The memory of `steps` training steps of `GPT(config)`: `micro_batches` forward and backward passes of
+    (batch, seq) tokens each (the loss in fp32 at least, as `TrainingStep` computes it), gradient clipping, then
+    AdamW (the multi-tensor implementation a GPU uses). `end_bytes`: weights and optimizer state.
+    device: "meta" plans (see `plan_memory`); "cpu" runs the steps and measures them."""
+
+    def precision():
+        if autocast is None:
+            return contextlib.nullcontext()
+        return AutocastPlan(autocast) if device == "meta" else torch.autocast(device, dtype=autocast)
+
+    def work():
+        model = GPT(config, attn_implementation=attn_implementation)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        x = torch.zeros(batch, seq, dtype=torch.long)
+        for _ in range(steps):
+            for _ in range(micro_batches):
+                with precision():
+                    logits = model(x)
+                loss = token_loss_sum(logits, x) / (batch * seq * micro_batches)
+                del logits
+                loss.backward()
+                del loss
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return model, optimizer
+
+    return plan_memory(work, device=device, fused_attention=fused_attention)
+
+
+def forward_plan(config: GPTConfig, batch: int, seq: int, *, dtype: torch.dtype = torch.float32,
+                 fused_attention: bool = True, device: str = "meta") -> MemoryPlan:
+    """The memory of an inference forward pass (no gradients) of `GPT(config)` with weights in `dtype`."""
+
+    def work():
+        model = GPT(config).to(dtype).eval()
+        with torch.no_grad():
+            model(torch.zeros(batch, seq, dtype=torch.long))
+        return model
+
+    return plan_memory(work, device=device, fused_attention=fused_attention)
+
+
+def largest_fitting(candidates: Iterable[int], plan: Callable[[int], MemoryPlan],
+                    caps: DeviceCapabilities) -> int | None:
+    """The largest candidate size whose `plan(size)` fits the device (None if none does): how a notebook at the gpu
+    scale picks a batch that fits a 16 GB T4 as well as an 80 GB H100."""
+    fitting = [size for size in candidates if plan(size).fits(caps)]
+    return max(fitting, default=None)

@@ -1,0 +1,241 @@
+"""The memory plan (helpers.measure.memory_plan) against real execution, and every notebook's gpu scale planned on
+the GPUs learners use: a free Colab T4 (14.7 GiB, fp16), an L4 (22 GiB, bf16) and an A100-40GB (bf16)."""
+
+import json
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import helpers
+from helpers.measure.memory_plan import (
+    CUDA_CONTEXT_BYTES,
+    GIB,
+    LiveTensorBytes,
+    MemoryPlan,
+    forward_plan,
+    largest_fitting,
+    training_step_plan,
+)
+from helpers.model.config import GPTConfig
+from helpers.system.device import REFERENCE_DEVICES, autocast_dtype
+
+ROOT = Path(__file__).resolve().parents[1]
+GPUS = ["t4", "l4", "a100"]
+
+
+def test_live_bytes_counts_storages_once_and_frees_them():
+    with LiveTensorBytes() as live:
+        a = torch.empty(1000)  # 4000 bytes
+        view = a[:10]  # no new storage
+        b = a * 2  # 4000 more
+        assert live.current == 8000
+        del a, view
+        assert live.current == 4000  # a's storage went with its last reference
+        c = b + 1
+        del b, c
+    assert live.peak == 8000 and live.current == 0
+
+
+def test_saved_tensors_stay_alive_until_backward():
+    with LiveTensorBytes() as live:
+        w = torch.ones(256, requires_grad=True)
+        y = (w.exp() * 3).sum()  # exp's output is saved for the backward
+        held = live.current
+        y.backward()
+        del y
+        assert live.current < held  # the saved activation is freed by the backward
+    assert live.peak >= 3 * 256 * 4
+
+
+SMALL = GPTConfig(vocab_size=256, context_length=256, d_model=64, n_heads=4, n_layers=2, dropout=0.0)
+
+
+@pytest.mark.parametrize("config, autocast, implementation, fused", [
+    (SMALL, None, "sdpa", True),  # CPU's fused SDPA kernel against the plan's stand-in
+    (SMALL, None, "eager", False),  # T x T scores on both sides
+    (SMALL, torch.bfloat16, "sdpa", True),  # autocast's casts and weight cache against the plan's
+    # attention dropout: the CPU runs SDPA's math path (a GPU's fused kernels keep a seed, not a mask)
+    (GPTConfig(vocab_size=4096, context_length=64, d_model=64, n_heads=4, n_layers=2, dropout=0.1), None, "sdpa",
+     False),
+])
+def test_a_plan_on_meta_matches_the_same_steps_run_on_cpu(config, autocast, implementation, fused):
+    seq = config.context_length
+    planned = training_step_plan(config, 4, seq, autocast=autocast, attn_implementation=implementation,
+                                 fused_attention=fused)
+    measured = training_step_plan(config, 4, seq, autocast=autocast, attn_implementation=implementation, device="cpu")
+    assert planned.peak_bytes == pytest.approx(measured.peak_bytes, rel=0.02)
+    assert planned.end_bytes == measured.end_bytes
+
+
+def test_after_adamw_a_model_holds_weights_and_two_moments():
+    plan = training_step_plan(SMALL, 2, 64)
+    n_params = helpers.GPT(SMALL).num_parameters()
+    n_tensors = len(list(helpers.GPT(SMALL).parameters()))
+    assert 12 * n_params <= plan.end_bytes <= 12 * n_params + 8 * n_tensors  # + one step counter per tensor
+
+
+def test_fused_attention_is_linear_in_the_sequence_and_math_quadratic():
+    config = GPTConfig(vocab_size=64, context_length=2048, d_model=64, n_heads=4, n_layers=1, dropout=0.0)
+    fused = [forward_plan(config, 1, t).peak_bytes for t in (1024, 2048)]
+    math = [forward_plan(config, 1, t, fused_attention=False).peak_bytes for t in (1024, 2048)]
+    assert fused[1] / fused[0] < 2.2 and math[1] / math[0] > 3.5
+
+
+def test_a_plan_fits_with_its_allowance():
+    t4 = REFERENCE_DEVICES["t4"]
+    assert MemoryPlan(12 * GIB, 0).fits(t4)  # 12 x 1.1 + 1 = 14.2 GiB of 14.7
+    assert not MemoryPlan(13 * GIB, 0).fits(t4)  # 15.3 GiB
+    assert MemoryPlan(13 * GIB, 0).required_bytes == int(13 * GIB * 1.1) + CUDA_CONTEXT_BYTES
+    assert largest_fitting([4, 8, 16, 32], lambda b: MemoryPlan(b * GIB, 0), t4) == 8
+    assert largest_fitting([32], lambda b: MemoryPlan(b * GIB, 0), t4) is None
+
+
+# --- every notebook at its gpu scale ---------------------------------------------------------------------------
+
+def gpu_parameters(notebook: str, caps) -> dict:
+    """The notebook's parameters cell, run as it runs on a machine with this GPU."""
+    nb = json.loads((ROOT / notebook).read_text())
+    cell = next(c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
+    fake = types.SimpleNamespace(**{n: getattr(helpers, n) for n in helpers.__all__})
+    fake.current_scale = lambda device_type=None: "gpu"
+    fake.detect_capabilities = lambda device_type=None: caps
+    namespace = {"helpers": fake}
+    exec("".join(cell["source"]), namespace)
+    return namespace
+
+
+def small_width(p: dict, vocab: int = helpers.GPTConfig().vocab_size) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab, context_length=p["CONTEXT"], d_model=p["D_MODEL"], n_heads=p["N_HEADS"],
+                     n_layers=p["N_LAYERS"], dropout=0.0)
+
+
+def state_bytes(config: GPTConfig) -> int:
+    """A trained model's weights and AdamW moments, without gradients (12 bytes per parameter)."""
+    with torch.device("meta"):
+        return 12 * helpers.GPT(config).num_parameters()
+
+
+def workloads(notebook: str, p: dict, caps) -> list[tuple[str, int]]:
+    """The largest training steps each notebook runs at its gpu scale, with what the notebook holds beside them."""
+    low = autocast_dtype(caps)
+    if notebook == "ch04_flops/02_flops_analysis.ipynb":
+        return [(preset, training_step_plan(GPTConfig.from_preset(preset, dropout=0.0), p["BENCH_BATCH"],
+                                            p["BENCH_SEQ"], autocast=low).peak_bytes) for preset in p["BENCH_PRESETS"]]
+    if notebook == "ch05_training/01_pretraining.ipynb":  # the step by hand beside the Trainer's model (fp32)
+        config = small_width(p)
+        return [("step by hand", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"]).peak_bytes
+                 + 4 * helpers.GPT(config).num_parameters()),
+                ("pretraining", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"], autocast=low).peak_bytes)]
+    if notebook == "ch05_training/02_gradient_accumulation.ipynb":  # one fp32 batch of EFFECTIVE_BATCH sequences
+        config = GPTConfig.from_preset(p["MEMORY_MODEL"], context_length=p["CONTEXT"])
+        return [("one batch", training_step_plan(config, p["EFFECTIVE_BATCH"], p["CONTEXT"]).peak_bytes)]
+    if notebook == "ch05_training/03_mixed_precision.ipynb":  # an fp32 step while three other trainers wait
+        config = small_width(p, p["VOCAB"])
+        return [("interleaved trainers", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"]).peak_bytes
+                 + 3 * state_bytes(config))]
+    if notebook == "ch05_training/04_training_speed.ipynb":  # the fp32 eager-attention rungs
+        config = GPTConfig.from_preset(p["MODEL"], dropout=0.0)
+        return [("fp32 eager", training_step_plan(config, p["BATCH"], p["CTX"], attn_implementation="eager",
+                                                  fused_attention=False).peak_bytes)]
+    if notebook == "ch05_training/05_lr_schedules.ipynb":
+        return [("one run", training_step_plan(small_width(p, p["VOCAB"]), p["BATCH_SIZE"], p["CONTEXT"],
+                                               autocast=low).peak_bytes)]
+    if notebook == "ch06_inference/02_quantization.ipynb":
+        config = GPTConfig(**p["MODEL"], dropout=0.0)
+        return [("training", training_step_plan(config, p["BATCH_SIZE"], config.context_length,
+                                                autocast=low).peak_bytes)]
+    raise KeyError(notebook)
+
+
+PLANNED = ["ch04_flops/02_flops_analysis.ipynb", "ch05_training/01_pretraining.ipynb",
+           "ch05_training/02_gradient_accumulation.ipynb", "ch05_training/03_mixed_precision.ipynb",
+           "ch05_training/04_training_speed.ipynb", "ch05_training/05_lr_schedules.ipynb",
+           "ch06_inference/02_quantization.ipynb"]
+
+
+@pytest.mark.parametrize("gpu", GPUS)
+@pytest.mark.parametrize("notebook", PLANNED)
+def test_every_notebook_plans_within_the_gpus_memory(notebook, gpu):
+    caps = REFERENCE_DEVICES[gpu]
+    p = gpu_parameters(notebook, caps)
+    planned = workloads(notebook, p, caps)
+    assert planned, f"{notebook} runs nothing at the gpu scale on {caps.name}"
+    for what, peak in planned:
+        plan = MemoryPlan(peak, 0)
+        assert plan.fits(caps), f"{notebook}, {what} on {caps.name}: {plan}, the GPU has " \
+                                f"{caps.total_memory_bytes / GIB:.1f} GiB"
+
+
+def test_a_t4_gets_fp16_where_a_notebook_used_to_hard_code_bf16():
+    for notebook in ("ch03_attention/02_efficient_mha.ipynb", "ch03_attention/03_flash_attention.ipynb",
+                     "ch06_inference/01_kv_cache.ipynb"):
+        assert gpu_parameters(notebook, REFERENCE_DEVICES["t4"])["DTYPE"] == "float16", notebook
+        assert gpu_parameters(notebook, REFERENCE_DEVICES["a100"])["DTYPE"] == "bfloat16", notebook
+
+
+def test_the_gpu_sizes_follow_the_gpus_memory():
+    """A T4 gets smaller batches than an A100, and only the GPT-2 sizes whose step fits."""
+    t4 = {n: gpu_parameters(n, REFERENCE_DEVICES["t4"]) for n in PLANNED}
+    a100 = {n: gpu_parameters(n, REFERENCE_DEVICES["a100"]) for n in PLANNED}
+    accumulation = "ch05_training/02_gradient_accumulation.ipynb"
+    assert t4[accumulation]["EFFECTIVE_BATCH"] < a100[accumulation]["EFFECTIVE_BATCH"]
+    flops = "ch04_flops/02_flops_analysis.ipynb"
+    assert t4[flops]["BENCH_PRESETS"] == ["gpt2-small"]
+    assert len(a100[flops]["BENCH_PRESETS"]) > 1
+
+
+def code_cells(notebook: Path):
+    for cell in json.loads(notebook.read_text())["cells"]:
+        if cell["cell_type"] == "code":
+            yield "".join(cell["source"])
+
+
+@pytest.mark.parametrize("notebook", sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("ch*/*.ipynb")))
+def test_a_model_that_trains_in_a_cell_is_on_the_notebooks_device(notebook):
+    """A model built and trained by hand must be moved to DEVICE (a Trainer moves its own): at the gpu scale a
+    124M-parameter step on the host is minutes of CPU time and more memory than a free Colab machine has."""
+    cells = list(code_cells(ROOT / notebook))
+    if not any(re.search(r"^DEVICE\s*=", source, re.MULTILINE) for source in cells):
+        return  # a notebook without a device parameter runs on the CPU on purpose
+    for source in cells:
+        if ".backward(" in source:
+            for line in source.splitlines():
+                if re.search(r"=\s*(helpers\.)?GPT\(", line):
+                    assert re.search(r"\.to\((DEVICE|device)", line), f"{notebook}: {line.strip()}"
+
+
+# Sustained rates assumed for a T4 training GPT-2 small (stated, not measured: ~30% of its 65 TFLOP/s fp16
+# tensor-core peak, ~60% of its 8.1 TFLOP/s fp32 peak). The estimate is 6 FLOPs per parameter and token.
+T4_SUSTAINED = {torch.float16: 20e12, None: 5e12}
+
+
+def training_seconds_on_a_t4(config: GPTConfig, tokens: int, dtype) -> float:
+    with torch.device("meta"):
+        n_params = helpers.GPT(config).num_parameters()
+    return 6 * n_params * tokens / T4_SUSTAINED[dtype]
+
+
+def test_the_long_training_notebooks_fit_ten_minutes_on_a_t4_by_estimate():
+    t4 = REFERENCE_DEVICES["t4"]
+    low = autocast_dtype(t4)
+    p = {n: gpu_parameters(n, t4) for n in PLANNED}
+    pre = p["ch05_training/01_pretraining.ipynb"]
+    acc = p["ch05_training/02_gradient_accumulation.ipynb"]
+    mix = p["ch05_training/03_mixed_precision.ipynb"]
+    lr = p["ch05_training/05_lr_schedules.ipynb"]
+    runs_lr = 2 + 2 + len(lr["SWEEP_LRS"]) * len(lr["SWEEP_WARMUPS"]) * len(lr["SEEDS"])  # sections 2-4
+    estimates = {
+        "pretraining": training_seconds_on_a_t4(small_width(pre), pre["STEPS"] * pre["BATCH_SIZE"] * pre["CONTEXT"],
+                                                low),
+        "accumulation": training_seconds_on_a_t4(small_width(acc), 2 * acc["TRAIN_STEPS"] * acc["EFFECTIVE_BATCH"]
+                                                 * acc["CONTEXT"], None),
+        "mixed precision": sum(training_seconds_on_a_t4(small_width(mix, mix["VOCAB"]), mix["STEPS"]
+                                                        * mix["BATCH_SIZE"] * mix["CONTEXT"], dtype)
+                               for dtype in (None, None, low, low)),  # fp32, the fp32 yardstick, bf16 and fp16
+        "lr schedules": training_seconds_on_a_t4(small_width(lr, lr["VOCAB"]), runs_lr * lr["STEPS"]
+                                                 * lr["BATCH_SIZE"] * lr["CONTEXT"], low),
+    }
+    assert all(seconds <= 600 for seconds in estimates.values()), estimates
