@@ -6,6 +6,7 @@ first code cell of every notebook, so a fork changes `REPOSITORY_URL` and runs t
 
 from __future__ import annotations
 
+import html
 import os
 import time
 from dataclasses import dataclass
@@ -63,6 +64,51 @@ def sync_bootstrap(path: Path, url: str = REPOSITORY_URL) -> bool:
     return True
 
 
+def terminal_text(text: str) -> str:
+    """What a terminal shows for `text`: a carriage return rewinds the line, so of a progress bar's redraws only
+    the last one stays."""
+    lines = []
+    for line in text.split("\n"):
+        drawn = [part for part in line.split("\r") if part]
+        lines.append(drawn[-1] if drawn else "")
+    return "\n".join(lines)
+
+
+def widget_text(view: dict, state: dict) -> str | None:
+    """The final text of a tqdm notebook bar (an HBox of label, bar and counts) from the saved widget state."""
+    box = state.get(view.get("model_id"), {})
+    parts = [state.get(child.removeprefix("IPY_MODEL_"), {}) for child in box.get("state", {}).get("children", [])]
+    texts = [html.unescape(p["state"]["value"]) for p in parts if p.get("model_name") == "HTMLModel"]
+    return " ".join(t.replace("\u2007", " ").strip() for t in texts) or None
+
+
+def clean_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Keep the final state of every progress bar: consecutive stream outputs merged and their carriage-return
+    redraws collapsed; widget bars (which show as nothing on GitHub) replaced by their final text; no widget
+    state left in the metadata."""
+    widgets = nb.metadata.pop("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    for cell in nb.cells:
+        outputs = []
+        for out in cell.get("outputs", []):
+            view = out.get("data", {}).get("application/vnd.jupyter.widget-view+json")
+            if view is not None:
+                text = widget_text(view, widgets)
+                if text is None:
+                    continue
+                out = nbformat.v4.new_output("stream", name="stderr", text=text + "\n")
+            if out.output_type == "stream" and outputs and outputs[-1].output_type == "stream" \
+                    and outputs[-1].name == out.name:
+                outputs[-1].text += out.text
+            else:
+                outputs.append(out)
+        for out in outputs:
+            if out.output_type == "stream":
+                out.text = terminal_text(out.text)
+        if "outputs" in cell:
+            cell.outputs = outputs
+    return nb
+
+
 @dataclass
 class NotebookRun:
     path: Path
@@ -103,5 +149,5 @@ def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
     seconds = time.perf_counter() - start
     if output is not None:
         with atomic_path(output) as tmp:
-            nbformat.write(nb, tmp)
+            nbformat.write(clean_outputs(nb), tmp)
     return NotebookRun(path, seconds, error)

@@ -6,7 +6,15 @@ import re
 import nbformat
 import pytest
 
-from helpers.notebooks import ROOT, bootstrap_source, execute_notebook, find_notebooks, sync_bootstrap
+from helpers.notebooks import (
+    ROOT,
+    bootstrap_source,
+    clean_outputs,
+    execute_notebook,
+    find_notebooks,
+    sync_bootstrap,
+    terminal_text,
+)
 
 NOTEBOOKS = find_notebooks()
 IDS = [str(p.relative_to(ROOT)) for p in NOTEBOOKS]
@@ -36,6 +44,40 @@ def test_notebook_is_committed_clean(path):
     errors = [o for c in code for o in c.outputs if o.output_type == "error"]
     assert not errors
     assert not LOCAL_PATH.search(json.dumps(nb)), "a path of the author's machine is in the notebook"
+    # only the final state of each progress bar: no redraws, no widgets (they show as nothing outside Jupyter)
+    assert "widgets" not in nb.metadata
+    for cell in code:
+        assert not any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in cell.outputs)
+        streams = [o for o in cell.outputs if o.output_type == "stream"]
+        assert not any("\r" in o.text for o in streams), "progress-bar redraws saved: helpers.notebooks.clean_outputs"
+        pairs = zip(cell.outputs, cell.outputs[1:], strict=False)
+        assert not any(a.output_type == b.output_type == "stream" and a.name == b.name for a, b in pairs)
+
+
+def test_terminal_text_keeps_the_last_redraw_of_each_line():
+    assert terminal_text("\rbar 0%\rbar 50%\rbar 100%\nnext\n") == "bar 100%\nnext\n"
+    assert terminal_text("a\r\nb") == "a\nb"  # a bare carriage return at the end erases nothing
+
+
+def test_clean_outputs_merges_streams_and_turns_widget_bars_into_their_final_text():
+    nb = nbformat.v4.new_notebook()
+    widget = {"model_id": "box", "version_major": 2, "version_minor": 0}
+    nb.cells = [nbformat.v4.new_code_cell("run()", outputs=[
+        nbformat.v4.new_output("stream", name="stderr", text="\rtrain: 0%"),
+        nbformat.v4.new_output("stream", name="stderr", text="\rtrain: 100% 4/4\n"),
+        nbformat.v4.new_output("stream", name="stdout", text="done\n"),
+        nbformat.v4.new_output("display_data", data={"application/vnd.jupyter.widget-view+json": widget,
+                                                     "text/plain": "load: 0%"}),
+    ])]
+    state = {"box": {"model_name": "HBoxModel", "state": {"children": ["IPY_MODEL_l", "IPY_MODEL_p", "IPY_MODEL_r"]}},
+             "l": {"model_name": "HTMLModel", "state": {"value": "load:\u2007100%"}},
+             "p": {"model_name": "FloatProgressModel", "state": {"value": 3.0, "max": 3.0}},
+             "r": {"model_name": "HTMLModel", "state": {"value": "\u20073/3\u2007[00:01&lt;00:00]"}}}
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": state}}
+    outputs = clean_outputs(nb).cells[0].outputs
+    assert [(o.name, o.text) for o in outputs] == [("stderr", "train: 100% 4/4\n"), ("stdout", "done\n"),
+                                                   ("stderr", "load: 100% 3/3 [00:01<00:00]\n")]
+    assert "widgets" not in nb.metadata
 
 
 def test_sync_bootstrap_inserts_updates_and_is_idempotent(tmp_path):
