@@ -136,12 +136,15 @@ def main(argv: list[str] | None = None) -> None:
            "presets": []}
     results = ResultsFile(results_path(args.out, "flops", caps.name), run)
     for name in presets:
+        if device.type == "cuda":  # each preset's peak its own, a failed one's included
+            torch.cuda.reset_peak_memory_stats(device)
         with results.item(f"preset {name}"):
             run["presets"].append(bench_preset(name, seq, max_batch, dtype, run_time, peak.flops, measured_peak,
                                               device))
         error = run["errors"].get(f"preset {name}")
         if error:  # a row all the same: readers list every preset, with why it has no numbers
             run["presets"].append({"preset": name, "seq": seq, "status": error.splitlines()[0]})
+            results.save()
         print(f"{name}: done at {time.perf_counter() - started:.0f} s", flush=True)
     config_name, batch, roofline_seq = roofline_shape
     run["roofline"] = {"preset": config_name, "batch": batch, "seq": roofline_seq, "operations": []}

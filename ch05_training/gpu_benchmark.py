@@ -64,7 +64,7 @@ def baseline_batch(model: str, ctx: int, device: torch.device) -> int:
         del gpt, kept
         gc.collect()
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)  # the report's max_memory_allocated is the ladder's
+        torch.cuda.reset_peak_memory_stats(device)  # the report's peak: the ladder and the race with transformers
 
 
 def main(argv: list[str] | None = None) -> None:

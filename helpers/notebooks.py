@@ -91,11 +91,13 @@ def clean_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
         outputs = []
         for out in cell.get("outputs", []):
             view = out.get("data", {}).get("application/vnd.jupyter.widget-view+json")
-            if view is not None:
-                text = widget_text(view, widgets)
-                if text is None:
-                    continue
+            text = widget_text(view, widgets) if view is not None else None
+            if text is not None:  # a progress bar; another widget keeps its text fallback
                 out = nbformat.v4.new_output("stream", name="stderr", text=text + "\n")
+            elif view is not None:
+                del out.data["application/vnd.jupyter.widget-view+json"]
+                if not out.data:
+                    continue
             if out.output_type == "stream" and outputs and outputs[-1].output_type == "stream" \
                     and outputs[-1].name == out.name:
                 outputs[-1].text += out.text
@@ -132,7 +134,8 @@ def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
 
     def started(cell, cell_index: int) -> None:
         first_line = cell.source.strip().split("\n")[0]
-        running[0] = f"cell {cell_index + 1} ({first_line!r})"
+        number = sum(c.cell_type == "code" for c in nb.cells[: cell_index + 1])  # as a learner counts them
+        running[0] = f"code cell {number} ({first_line!r})"
 
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", on_cell_start=started,
                             resources={"metadata": {"path": str(path.parent)}})

@@ -15,7 +15,7 @@ import torch
 from helpers import GPT, GPTConfig
 from helpers.measure.attention_bench import flash_refusal, sdpa_backend_used
 from helpers.model.attention import IMPLEMENTATIONS, CausalSelfAttention, unavailable_reason
-from helpers.system.optional import version_of
+from helpers.system import optional
 
 NAMES = list(IMPLEMENTATIONS)
 # (batch, seq, d_in, d_model, heads): batch 1, seq 1, lengths that are neither powers of two nor
@@ -85,20 +85,36 @@ def test_forwards_read_package_metadata_at_most_once(monkeypatch):
     # A metadata lookup (0.2-1.4 ms) per forward would take longer than the attention it asks about.
     lookups = []
 
-    def counting_version(dist):
+    def counting_version(dist):  # flash-attn "installed", as on a GPU machine
         lookups.append(dist)
-        return real_version(dist)
+        return "2.7.4" if dist == "flash-attn" else real_version(dist)
 
     real_version = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", counting_version)
-    version_of.cache_clear()  # an earlier test may have looked it up already
+    monkeypatch.setattr(optional, "FOUND_VERSIONS", {})  # an earlier test may have looked it up already
     x = torch.randn(1, 5, 32)
-    for name in ("sdpa", "flash_attention_2"):  # flash_attention_2 asks whether flash-attn is installed, then refuses
+    for name in ("sdpa", "flash_attention_2"):  # flash_attention_2 asks whether flash-attn is installed (then refuses
+        # the CPU)
         module = CausalSelfAttention(32, 4, attn_implementation=name)
         for _ in range(3):
             with contextlib.suppress(RuntimeError):
                 module(x)
     assert len(lookups) <= 1, lookups
+
+
+def test_a_package_installed_mid_session_is_seen(monkeypatch):
+    installed = {}
+
+    def version(dist):
+        if dist not in installed:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return installed[dist]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(optional, "FOUND_VERSIONS", {})
+    assert optional.version_of("flash_attn") is None
+    installed["flash-attn"] = "2.7.4"  # pip install flash-attn, in the same session
+    assert optional.version_of("flash_attn") == "2.7.4"
 
 
 def test_gpt_gives_the_same_logits_under_every_available_implementation():

@@ -15,7 +15,8 @@ from helpers.measure.memory_plan import (
     GIB,
     LiveTensorBytes,
     MemoryPlan,
-    forward_plan,
+    MemoryPlanError,
+    fitting,
     largest_fitting,
     training_step_plan,
 )
@@ -79,8 +80,8 @@ def test_after_adamw_a_model_holds_weights_and_two_moments():
 
 def test_fused_attention_is_linear_in_the_sequence_and_math_quadratic():
     config = GPTConfig(vocab_size=64, context_length=2048, d_model=64, n_heads=4, n_layers=1, dropout=0.0)
-    fused = [forward_plan(config, 1, t).peak_bytes for t in (1024, 2048)]
-    math = [forward_plan(config, 1, t, fused_attention=False).peak_bytes for t in (1024, 2048)]
+    fused = [training_step_plan(config, 1, t, steps=1).peak_bytes for t in (1024, 2048)]
+    math = [training_step_plan(config, 1, t, steps=1, fused_attention=False).peak_bytes for t in (1024, 2048)]
     assert fused[1] / fused[0] < 2.2 and math[1] / math[0] > 3.5
 
 
@@ -90,7 +91,11 @@ def test_a_plan_fits_with_its_allowance():
     assert not MemoryPlan(13 * GIB, 0).fits(t4)  # 15.3 GiB
     assert MemoryPlan(13 * GIB, 0).required_bytes == int(13 * GIB * 1.1) + CUDA_CONTEXT_BYTES
     assert largest_fitting([4, 8, 16, 32], lambda b: MemoryPlan(b * GIB, 0), t4) == 8
-    assert largest_fitting([32], lambda b: MemoryPlan(b * GIB, 0), t4) is None
+    assert fitting(["small", "xl"], lambda p: MemoryPlan((4 if p == "small" else 50) * GIB, 0), t4) == ["small"]
+    with pytest.raises(MemoryPlanError, match=r"none of \[32\] fits Tesla T4 \(14.7 GiB\): 32 needs 36.2 GiB"):
+        largest_fitting([32], lambda b: MemoryPlan(b * GIB, 0), t4)
+    cpu = REFERENCE_DEVICES["cpu"]  # 16 GiB of RAM, no CUDA context to allow for
+    assert MemoryPlan(15 * GIB, 0).fits(cpu) and not MemoryPlan(17 * GIB, 0).fits(cpu)
 
 
 # --- every notebook at its gpu scale ---------------------------------------------------------------------------
@@ -112,10 +117,14 @@ def small_width(p: dict, vocab: int = helpers.GPTConfig().vocab_size) -> GPTConf
                      n_layers=p["N_LAYERS"], dropout=0.0)
 
 
+def n_params(config: GPTConfig) -> int:
+    with torch.device("meta"):
+        return helpers.GPT(config).num_parameters()
+
+
 def state_bytes(config: GPTConfig) -> int:
     """A trained model's weights and AdamW moments, without gradients (12 bytes per parameter)."""
-    with torch.device("meta"):
-        return 12 * helpers.GPT(config).num_parameters()
+    return 12 * n_params(config)
 
 
 def workloads(notebook: str, p: dict, caps) -> list[tuple[str, int]]:
@@ -127,7 +136,7 @@ def workloads(notebook: str, p: dict, caps) -> list[tuple[str, int]]:
     if notebook == "ch05_training/01_pretraining.ipynb":  # the step by hand beside the Trainer's model (fp32)
         config = small_width(p)
         return [("step by hand", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"]).peak_bytes
-                 + 4 * helpers.GPT(config).num_parameters()),
+                 + 4 * n_params(config)),
                 ("pretraining", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"], autocast=low).peak_bytes)]
     if notebook == "ch05_training/02_gradient_accumulation.ipynb":  # one fp32 batch of EFFECTIVE_BATCH sequences
         config = GPTConfig.from_preset(p["MEMORY_MODEL"], context_length=p["CONTEXT"])
@@ -213,9 +222,7 @@ T4_SUSTAINED = {torch.float16: 20e12, None: 5e12}
 
 
 def training_seconds_on_a_t4(config: GPTConfig, tokens: int, dtype) -> float:
-    with torch.device("meta"):
-        n_params = helpers.GPT(config).num_parameters()
-    return 6 * n_params * tokens / T4_SUSTAINED[dtype]
+    return 6 * n_params(config) * tokens / T4_SUSTAINED[dtype]
 
 
 def test_the_long_training_notebooks_fit_ten_minutes_on_a_t4_by_estimate():

@@ -100,8 +100,8 @@ def write_notebook(path, *sources):
 
 
 @pytest.mark.parametrize("cell, message", [
-    ("import time\ntime.sleep(30)", "cell 2 ('import time') timed out after 2 s"),
-    ("import os\nos._exit(1)", "kernel died (out of host memory?) in cell 2 ('import os')"),
+    ("import time\ntime.sleep(30)", "code cell 2 ('import time') timed out after 2 s"),
+    ("import os\nos._exit(1)", "kernel died (out of host memory?) in code cell 2 ('import os')"),
 ], ids=["timeout", "dead-kernel"])
 def test_run_notebooks_records_a_stuck_or_dead_notebook_and_runs_the_next(tmp_path, capsys, cell, message):
     """`make course` must not stop at a cell past --timeout or a kernel the host's OOM killer ended: that notebook

@@ -293,3 +293,13 @@ def test_peak_memory_follows_the_micro_batch_not_the_effective_batch():
 
     one_batch, accumulated = peak(32, 1), peak(2, 16)  # the same 32 sequences per optimizer step
     assert accumulated < 0.7 * one_batch, (accumulated, one_batch)
+
+
+def test_a_scaler_assigned_to_the_trainer_is_the_one_its_steps_use(tmp_path):
+    """Notebook 03 starts a GradScaler too high to show it backing off: the steps must use that scaler."""
+    trainer = make_trainer(tmp_path, "float16")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=1)  # fp16 gradients overflow at 2^40
+    trainer.scaler = scaler
+    trainer.train_step()
+    assert trainer.training_step.scaler is scaler
+    assert scaler.get_scale() == 2.0**39  # the overflowing step was skipped and the scale halved

@@ -25,6 +25,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +38,10 @@ from ..model.gpt import GPT
 from ..system.device import DeviceCapabilities
 from ..training.step import token_loss_sum
 
+T = TypeVar("T")
 GIB = 1 << 30
 CUDA_CONTEXT_BYTES = GIB  # CUDA context, cuBLAS/cuDNN workspaces and kernels loaded: 0.3-0.9 GiB on current GPUs
 FRAGMENTATION = 0.10  # the caching allocator's rounding and fragmentation, as a share of the tensor peak
-HOST_RAM_BYTES = 12 * GIB  # what a free Colab machine gives a notebook (12.7 GB, less the system's share)
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -154,10 +155,10 @@ class MemoryPlan:
         return int(self.peak_bytes * (1 + FRAGMENTATION)) + CUDA_CONTEXT_BYTES
 
     def fits(self, caps: DeviceCapabilities) -> bool:
-        """True when the device's memory holds the planned step (on CPU and MPS: the host's RAM, no context)."""
-        if caps.device_type == "cuda":
-            return caps.total_memory_bytes is not None and self.required_bytes <= caps.total_memory_bytes
-        return self.peak_bytes <= min(caps.total_memory_bytes or HOST_RAM_BYTES, HOST_RAM_BYTES)
+        """True when the device's memory holds the planned step: with the allowance on a CUDA GPU, the tensors
+        alone elsewhere (a CPU's or a Mac's RAM has no CUDA context)."""
+        need = self.required_bytes if caps.device_type == "cuda" else self.peak_bytes
+        return caps.total_memory_bytes is not None and need <= caps.total_memory_bytes
 
     def __str__(self) -> str:
         return f"peak {self.peak_bytes / GIB:.2f} GiB of tensors, {self.required_bytes / GIB:.2f} GiB with allowance"
@@ -215,22 +216,23 @@ def training_step_plan(config: GPTConfig, batch: int, seq: int, *, autocast: tor
     return plan_memory(work, device=device, fused_attention=fused_attention)
 
 
-def forward_plan(config: GPTConfig, batch: int, seq: int, *, dtype: torch.dtype = torch.float32,
-                 fused_attention: bool = True, device: str = "meta") -> MemoryPlan:
-    """The memory of an inference forward pass (no gradients) of `GPT(config)` with weights in `dtype`."""
-
-    def work():
-        model = GPT(config).to(dtype).eval()
-        with torch.no_grad():
-            model(torch.zeros(batch, seq, dtype=torch.long))
-        return model
-
-    return plan_memory(work, device=device, fused_attention=fused_attention)
+class MemoryPlanError(RuntimeError):
+    """Not even the smallest candidate fits the device."""
 
 
-def largest_fitting(candidates: Iterable[int], plan: Callable[[int], MemoryPlan],
-                    caps: DeviceCapabilities) -> int | None:
-    """The largest candidate size whose `plan(size)` fits the device (None if none does): how a notebook at the gpu
-    scale picks a batch that fits a 16 GB T4 as well as an 80 GB H100."""
-    fitting = [size for size in candidates if plan(size).fits(caps)]
-    return max(fitting, default=None)
+def fitting(candidates: Iterable[T], plan: Callable[[T], MemoryPlan], caps: DeviceCapabilities) -> list[T]:
+    """The candidates (batch sizes, model presets, smallest first) whose `plan(candidate)` fits the device: how a
+    notebook at the gpu scale picks what a 16 GB T4 can run as well as an 80 GB H100. None fitting is an error."""
+    candidates = list(candidates)
+    fit = [c for c in candidates if plan(c).fits(caps)]
+    if not fit:
+        memory = (caps.total_memory_bytes or 0) / GIB
+        raise MemoryPlanError(f"none of {candidates} fits {caps.name} ({memory:.1f} GiB): {candidates[0]} needs "
+                              f"{plan(candidates[0]).required_bytes / GIB:.1f} GiB; use a GPU with more memory, or "
+                              "smaller sizes in the parameters cell")
+    return fit
+
+
+def largest_fitting(candidates: Iterable[int], plan: Callable[[int], MemoryPlan], caps: DeviceCapabilities) -> int:
+    """The largest candidate size whose plan fits the device (`fitting`)."""
+    return max(fitting(candidates, plan, caps))

@@ -62,12 +62,15 @@ class ResultsFile:
 
         KeyboardInterrupt and SystemExit still stop the run; what the items before saved stays saved.
         """
+        failed = False
         try:
             yield
         except Exception as err:
             self.run["errors"][name] = error_text(err)
             print(f"{name}: {self.run['errors'][name].splitlines()[0]}", file=sys.stderr, flush=True)
-            gc.collect()  # the error's traceback is gone: free its tensors before the next item
+            failed = True
+        if failed:  # out of the except block, whose traceback held the failed item's tensors: free them now
+            gc.collect()
             if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
         self.save()

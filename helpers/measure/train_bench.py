@@ -383,9 +383,10 @@ class Ladder:
         try:
             self.comparison = self._race_transformers()
         except Exception as err:
-            self._release()
             self.comparison = {"best_rung": best.name, "settings": best.settings, "status": "error",
                                "note": f"{type(err).__name__}: {err}".splitlines()[0]}
+        if self.comparison.get("status") == "error":
+            self._release()  # out of the except block, whose traceback held the race's models
         return self.comparison
 
     def _race_transformers(self) -> dict:

@@ -7,6 +7,7 @@ fsyncing the file and then its folder makes the new one survive a power cut.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -24,13 +25,6 @@ def fsync_dir(directory: str | os.PathLike) -> None:
             os.close(fd)
 
 
-def current_umask() -> int:
-    """The process's umask (reading it means setting it: set it back at once)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to `path`; once the caller has written it, it replaces `path` in one rename.
@@ -39,10 +33,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    os.close(fd)
-    tmp = Path(name)
-    os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it private (0600); a written file gets the usual mode
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.part"
+    # created here, not by mkstemp (which makes it private, 0600): the file gets the mode any new file gets (umask)
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
     try:
         yield tmp
         with open(tmp, "rb+") as f:

@@ -3,7 +3,6 @@ log lines they are known to print for no reason off the learner's screen."""
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 from importlib import metadata
@@ -29,18 +28,23 @@ class MissingOptionalPackage(ImportError):
     """An optional package is needed for what was asked and is not installed."""
 
 
-@functools.cache
+FOUND_VERSIONS: dict[str, str] = {}
+
+
 def version_of(module: str) -> str | None:
     """Installed version of an optional package, or None.
 
-    Read once per process: a metadata lookup takes 0.2-1.4 ms, more than a whole attention forward that asks
-    whether flash-attn is installed. Restart Python after installing a package.
+    A version found is remembered for the process: a metadata lookup takes 0.2-1.4 ms, more than a whole attention
+    forward that asks whether flash-attn is installed. A missing package is looked up again, so one installed
+    mid-session is seen.
     """
-    dist = OPTIONAL_PACKAGES[module][0] if module in OPTIONAL_PACKAGES else module
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+    if module not in FOUND_VERSIONS:
+        dist = OPTIONAL_PACKAGES[module][0] if module in OPTIONAL_PACKAGES else module
+        try:
+            FOUND_VERSIONS[module] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+    return FOUND_VERSIONS[module]
 
 
 def require(module: str, purpose: str) -> ModuleType:

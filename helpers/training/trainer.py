@@ -183,6 +183,16 @@ class Trainer:
     """Trains a `helpers.GPT` on a token stream; `fit()` runs to `config.steps` (or fewer), `save()`/`load()`
     checkpoint and resume, `history` holds the curves and samples."""
 
+    @property
+    def scaler(self) -> torch.amp.GradScaler:
+        """The gradient scaler the training step uses; assigning one (another initial scale, a short growth
+        interval) makes the steps use it."""
+        return self.training_step.scaler
+
+    @scaler.setter
+    def scaler(self, scaler: torch.amp.GradScaler) -> None:
+        self.training_step.scaler = scaler
+
     def __init__(self, model: nn.Module, train_ids: torch.Tensor, val_ids: torch.Tensor | None, config: TrainConfig,
                  tokenizer=None, fused_adamw: bool | None = None) -> None:
         self.config = config
@@ -195,7 +205,6 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.training_step = TrainingStep(self.model, self.optimizer, autocast=self.precision.dtype,
                                           grad_clip=config.grad_clip, measure_grad_norm=True)
-        self.scaler = self.training_step.scaler
         self.batches = ShuffledBatches(train_ids, config.batch_size, self.context_length, config.seed)
         self.val = None if val_ids is None else evaluation_windows(
             val_ids, self.context_length, config.eval_batches * config.batch_size)
