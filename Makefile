@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup course lab test lint check sync-bootstrap clean
+.PHONY: setup course record lab test lint check sync-bootstrap clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
@@ -21,6 +21,9 @@ setup: $(STAMP)  ## create .venv and install everything
 
 course: $(STAMP)  ## execute every notebook headless into reports/ (COURSE_SMOKE=1 for the smoke scale)
 	$(BIN)/python -m helpers run-notebooks --out reports
+
+record: $(STAMP)  ## re-record every notebook in place at the default scale, one at a time, refusing a busy machine
+	$(BIN)/python -m helpers record
 
 lab: $(STAMP)  ## open the course in JupyterLab
 	$(BIN)/jupyter lab

@@ -27,15 +27,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from helpers.measure.batch_size import BatchSizeError, cuda_step_fits, largest_batch_size, make_training_step  # noqa: E402
-from helpers.measure.mfu import (  # noqa: E402
-    measure_matmul_flops,
-    measure_memory_bandwidth,
-    measure_throughput,
-    mfu,
-    peak_flops,
-)
+from helpers.measure.calibration import calibrate  # noqa: E402
+from helpers.measure.mfu import measure_throughput, mfu, peak_flops  # noqa: E402
 from helpers.measure.results import ResultsFile, results_path, save_figure  # noqa: E402
-from helpers.measure.roofline import gpt_operations, time_operation  # noqa: E402
+from helpers.measure.roofline import gpt_operations, place, time_operation  # noqa: E402
 from helpers.model.config import PRESETS  # noqa: E402
 from helpers.model.gpt import GPT  # noqa: E402
 from helpers.system.args import positive_float, positive_int  # noqa: E402
@@ -127,13 +122,13 @@ def main(argv: list[str] | None = None) -> None:
         dtype, matmul_n, copy_bytes, roofline_shape = autocast_dtype(caps), None, None, ("gpt2-small", 8, 1024)
     env = environment_report(caps)
     started = time.perf_counter()
-    measured_peak = measure_matmul_flops(device, dtype, n=matmul_n, min_run_time=run_time)
+    calibration = calibrate(device, (dtype_name(dtype),), matmul_n=matmul_n, dram_bytes=copy_bytes)
+    measured_peak, bandwidth = calibration.peak(dtype), calibration.bandwidth()
     peak = peak_flops(caps.name, device.type, dtype, measure=lambda: measured_peak)
-    bandwidth = measure_memory_bandwidth(device, nbytes=copy_bytes, min_run_time=run_time)
     run = {"device_name": caps.name, "torch": env["torch"], "cuda": torch.version.cuda, "smoke": args.smoke,
            "dtype": dtype_name(dtype), "peak_flops": peak.flops,
            "peak_source": peak.source, "measured_matmul_flops": measured_peak, "measured_bandwidth": bandwidth,
-           "presets": []}
+           "calibration": calibration.to_json(), "presets": []}
     results = ResultsFile(results_path(args.out, "flops", caps.name), run)
     for name in presets:
         if device.type == "cuda":  # each preset's peak its own, a failed one's included
@@ -153,10 +148,12 @@ def main(argv: list[str] | None = None) -> None:
         operations = gpt_operations(PRESETS[config_name], batch, roofline_seq, device, dtype or torch.float32)
     for op in operations:
         with results.item(f"roofline {op.name}"):
-            seconds = time_operation(op, min_run_time=run_time / 4)
+            seconds = time_operation(op)
+            placed = place(op, seconds, calibration, dtype)
             run["roofline"]["operations"].append({"name": op.name, "kind": op.kind, "flops": op.flops,
-                                                  "bytes": op.bytes, "intensity": op.intensity, "seconds": seconds,
-                                                  "flops_per_s": op.flops / seconds})
+                                                  "bytes": op.bytes, "intensity": op.intensity,
+                                                  "seconds": seconds.summary(), "flops_per_s": placed.achieved.median,
+                                                  "memory_level": placed.level, "of_roof": placed.of_roof})
         release(device)
     del operations
     run["seconds"] = round(time.perf_counter() - started, 1)

@@ -1,5 +1,5 @@
-"""Command line: `python -m helpers env [--json]`, `bench-attention`, `flops`, `bench-load`, `bench-serve`,
-`bench-train`, `run-notebooks`, `sync-bootstrap`; `python -m helpers COMMAND --help` for each."""
+"""Command line: `python -m helpers env [--json]`, `calibrate`, `bench-attention`, `flops`, `bench-load`, `bench-serve`,
+`bench-train`, `run-notebooks`, `record`, `sync-bootstrap`; `python -m helpers COMMAND --help` for each."""
 
 from __future__ import annotations
 
@@ -49,6 +49,22 @@ def _env(args: argparse.Namespace) -> int:
 
     report = environment_report()
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from .measure.calibration import load_calibration
+    from .system.device import autocast_dtype, default_device_type, detect_capabilities, dtype_name
+    from .system.files import cache_dir
+
+    device = args.device or default_device_type()
+    dtypes = tuple(args.dtype or dict.fromkeys(["float32", dtype_name(autocast_dtype(detect_capabilities(device)))]))
+    calibration = load_calibration(device, dtypes, refresh=args.refresh)
+    if args.json:
+        print(json.dumps({"key": calibration.key, **calibration.to_json()}, indent=2))
+    else:
+        print(calibration.report())
+        print(f"cached in {cache_dir()}/calibration-{calibration.key}.json")
     return 0
 
 
@@ -132,7 +148,7 @@ def _bench_train(args: argparse.Namespace) -> int:
 
 
 def _run_notebooks(args: argparse.Namespace) -> int:
-    from .notebooks import ROOT, execute_notebook, find_notebooks
+    from .notebooks import ROOT, execute_notebook, find_notebooks, remaining_estimate
     from .system.scale import smoke_requested
 
     paths = [Path(p) for p in args.notebooks] or find_notebooks()
@@ -140,8 +156,9 @@ def _run_notebooks(args: argparse.Namespace) -> int:
     out = Path(args.out)
     print(f"executing {len(paths)} notebook(s) at {'smoke' if smoke else 'default'} scale into {out}/")
     failed = 0
-    for path in paths:
+    for i, path in enumerate(paths):
         rel = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else Path(path.name)
+        print(f"[{i + 1}/{len(paths)}] {rel}{'' if smoke else remaining_estimate(paths, i)}", flush=True)
         run = execute_notebook(path, out / rel, smoke=smoke, timeout=args.timeout)
         failed += run.error is not None
         print(f"{'FAIL' if run.error else 'ok':>4}  {run.seconds:7.1f} s  {rel}", flush=True)
@@ -149,6 +166,53 @@ def _run_notebooks(args: argparse.Namespace) -> int:
             print(run.error[-3000:], file=sys.stderr)
     print(f"{len(paths) - failed} passed, {failed} failed")
     return 1 if failed else 0
+
+
+def _record(args: argparse.Namespace) -> int:
+    import datetime
+    import os
+    import tempfile
+
+    import torch
+
+    from .notebooks import busy_cores, execute_notebook, find_notebooks, remaining_estimate
+    from .system.device import detect_capabilities
+    from .system.scale import current_scale
+
+    paths = [Path(p).resolve() for p in args.notebooks] or find_notebooks()
+    caps = detect_capabilities()
+    threads = args.threads or os.cpu_count() or 1
+    meta = {"machine": caps.name, "device": caps.device_type, "bf16_native": caps.bf16_native,
+            "torch": torch.__version__, "threads": threads, "scale": current_scale(caps.device_type)}
+
+    def quiet(when: str) -> bool:
+        busy = busy_cores()
+        if busy is None:
+            print(f"  {when}: cannot read this machine's load (no /proc/stat); not checked")
+            return True
+        print(f"  {when}: other programs used {busy:.2f} cores (limit {args.max_busy})", flush=True)
+        return busy <= args.max_busy or args.force
+
+    print(f"recording {len(paths)} notebook(s) in place, one at a time: {meta}")
+    for i, path in enumerate(paths):
+        print(f"[{i + 1}/{len(paths)}] {path.parent.name}/{path.name}{remaining_estimate(paths, i)}", flush=True)
+        if not quiet("before"):
+            print("the machine is busy: stop what else runs, or pass --force to record anyway", file=sys.stderr)
+            return 1
+        date = datetime.datetime.now(datetime.UTC).date().isoformat()
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".record-") as tmp:  # same disk: an atomic move
+            result = execute_notebook(path, Path(tmp) / path.name, smoke=False, timeout=args.timeout,
+                                      threads=threads, metadata={**meta, "recorded": date})
+            print(f"  {'FAIL' if result.error else 'ok'} in {result.seconds / 60:.1f} min", flush=True)
+            if result.error:
+                print(result.error[-3000:], file=sys.stderr)
+                return 1
+            if not quiet("after"):
+                print(f"the machine got busy while {path.name} ran: its outputs are not saved; record it again "
+                      "on a quiet machine, or pass --force", file=sys.stderr)
+                return 1
+            os.replace(Path(tmp) / path.name, path)
+    return 0
 
 
 def _sync_bootstrap(args: argparse.Namespace) -> int:
@@ -167,6 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     env = commands.add_parser("env", help="print the environment report")
     env.add_argument("--json", action="store_true", help="one JSON object instead of text")
     env.set_defaults(func=_env)
+
+    calibrate = commands.add_parser("calibrate", help="peak matmul FLOP/s and memory bandwidths of this machine "
+                                    "(measured once, then cached)")
+    calibrate.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: the course's device")
+    calibrate.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16", "float16"],
+                           help="dtypes whose peak to measure (default: float32 and the autocast dtype)")
+    calibrate.add_argument("--refresh", action="store_true", help="measure again even if cached")
+    calibrate.add_argument("--json", action="store_true", help="one JSON object (with every run) instead of text")
+    calibrate.set_defaults(func=_calibrate)
 
     from .measure.attention_bench import MODES
     from .model.attention import IMPLEMENTATIONS
@@ -223,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                        help=scale_help("bench-serve", "block_size", "tokens per KV block of the paged cache"))
     serve.add_argument("--num-blocks", type=positive_int,
                        help="blocks of the paged cache (default: the contiguous cache's memory, max-batch rows)")
-    serve.add_argument("--repeats", type=positive_int, default=2,
-                       help="runs per engine, in turn; the fastest of each is reported (default: 2)")
+    serve.add_argument("--repeats", type=positive_int, default=3,
+                       help="runs per engine, interleaved; the median and IQR of each are reported (default: 3)")
     serve.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload (default: 0)")
     serve.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: the best available")
     serve.add_argument("--json", action="store_true", help="one JSON object instead of a table")
@@ -256,6 +329,16 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--smoke", action="store_true", help="smoke scale (same as COURSE_SMOKE=1)")
     run.add_argument("--timeout", type=positive_int, default=900, help="seconds allowed per cell")
     run.set_defaults(func=_run_notebooks)
+
+    record = commands.add_parser("record", help="re-record notebooks in place at the default scale, one at a time, "
+                                 "on a quiet machine")
+    record.add_argument("notebooks", nargs="*", help="notebooks to record (default: every chapter's)")
+    record.add_argument("--threads", type=positive_int, help="torch threads in every notebook (default: all cores)")
+    record.add_argument("--max-busy", type=positive_float, default=0.3,
+                        help="most cores other programs may use before and after each notebook (default 0.3)")
+    record.add_argument("--force", action="store_true", help="record even on a busy machine")
+    record.add_argument("--timeout", type=positive_int, default=900, help="seconds allowed per cell")
+    record.set_defaults(func=_record)
 
     sync = commands.add_parser("sync-bootstrap", help="write the bootstrap cell into every notebook")
     sync.set_defaults(func=_sync_bootstrap)

@@ -119,7 +119,8 @@ class NotebookRun:
 
 
 def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
-                     timeout: int = 900) -> NotebookRun:
+                     timeout: int = 900, threads: int | None = None,
+                     metadata: dict | None = None) -> NotebookRun:
     """Run every cell in a fresh kernel (in the notebook's folder); optionally save the result.
 
     A failing cell, a cell running past `timeout` seconds and a kernel that dies (out of host memory, say) all
@@ -130,6 +131,8 @@ def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
     nb = nbformat.read(path, as_version=4)
     # Progress bars redraw in place in a live notebook; in a saved one every redraw stays, so draw rarely.
     env = dict(os.environ, COURSE_SMOKE="1" if smoke else "0", TQDM_MININTERVAL="30")
+    if threads is not None:  # torch reads it at start-up: every kernel computes with the same thread count
+        env["OMP_NUM_THREADS"] = str(threads)
     running = ["before the first cell"]  # where the run is: the error of a timeout or a dead kernel names it
 
     def started(cell, cell_index: int) -> None:
@@ -150,7 +153,40 @@ def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
     except DeadKernelError:
         error = f"kernel died (out of host memory?) in {running[0]}"
     seconds = time.perf_counter() - start
+    if metadata is not None:
+        nb.metadata["course"] = {**metadata, "wall_seconds": round(seconds, 1)}
     if output is not None:
         with atomic_path(output) as tmp:
             nbformat.write(clean_outputs(nb), tmp)
     return NotebookRun(path, seconds, error)
+
+
+def recorded_seconds(path: Path) -> float | None:
+    """The wall time of a notebook's last recording (`python -m helpers record`), if it has one."""
+    meta = nbformat.read(path, as_version=4).metadata.get("course", {})
+    return meta.get("wall_seconds")
+
+
+def busy_cores(seconds: float = 3.0) -> float | None:
+    """How many cores' worth of CPU time the whole machine used over `seconds` (Linux /proc/stat), while this
+    process sleeps: what other programs take from a measurement. None where /proc/stat is missing."""
+    def sample():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return sum(fields) - idle, sum(fields)
+    try:
+        busy0, total0 = sample()
+        time.sleep(seconds)
+        busy1, total1 = sample()
+    except OSError:
+        return None
+    return (busy1 - busy0) / max(total1 - total0, 1) * (os.cpu_count() or 1)
+
+
+def remaining_estimate(paths: list[Path], done: int) -> str:
+    """Minutes left by the recorded wall times of the notebooks not yet run ("" when some have none)."""
+    left = [recorded_seconds(p) for p in paths[done:]]
+    if not left or any(s is None for s in left):
+        return ""
+    return f"; about {sum(left) / 60:.0f} min left by the recorded times"

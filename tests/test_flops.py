@@ -23,8 +23,6 @@ from helpers.measure.flops import (
 )
 from helpers.measure.mfu import (
     datasheet_peak_flops,
-    measure_matmul_flops,
-    measure_memory_bandwidth,
     measure_throughput,
     mfu,
     peak_flops,
@@ -175,12 +173,6 @@ def test_peak_is_measured_where_no_datasheet_applies():
         assert peak.flops == 4.2e12 and peak.source.startswith("measured")
 
 
-def test_measured_peak_and_bandwidth_are_rates():
-    flops = measure_matmul_flops("cpu", n=128, min_run_time=0.01)
-    bandwidth = measure_memory_bandwidth("cpu", nbytes=1 << 20, min_run_time=0.01)
-    assert 0 < flops < math.inf and 0 < bandwidth < math.inf
-
-
 def test_roofline_by_hand():
     peak, bandwidth = 100e12, 2e12  # ridge point at 50 FLOP/byte
     assert roofline(10, peak, bandwidth) == 20e12
@@ -205,7 +197,7 @@ def test_operations_flops_and_bytes_by_hand():
 
 def test_every_operation_runs():
     for op in gpt_operations(TINY, 2, 16, dtype=torch.bfloat16):
-        assert 0 < time_operation(op, min_run_time=0.001) < math.inf, op.name
+        assert 0 < time_operation(op, rounds=2).median < math.inf, op.name
 
 
 @pytest.mark.parametrize("mode", ["forward", "train"])

@@ -323,6 +323,14 @@ def test_bench_serve_json_has_consistent_keys():
     assert report["throughput_ratio"] == pytest.approx(report["tokens_per_s_continuous"]
                                                        / report["tokens_per_s_static"], rel=1e-12)
     assert report["token_identical"] is True and report["token_identical_requests"] == 4
+    for name in ("continuous", "continuous_contiguous", "static"):
+        q1, q3 = report[f"tokens_per_s_iqr_{name}"]
+        assert q1 <= report[f"tokens_per_s_{name}"] <= q3
+        iterations = report[f"iterations_{name}"]
+        assert report[f"tokens_per_forward_{name}"] == pytest.approx(report["generated_tokens"] / iterations)
+    # the two continuous engines run the same schedule
+    assert report["iterations_continuous"] == report["iterations_continuous_contiguous"]
+    assert report["paged_vs_contiguous"].startswith("paged ") and report["continuous_vs_static"]
     for key in ("kv_utilization_paged", "kv_utilization_contiguous", "kv_utilization_static"):
         assert 0 < report[key] <= 1
     assert report["kv_utilization_paged"] > report["kv_utilization_contiguous"]

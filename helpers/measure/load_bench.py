@@ -154,7 +154,7 @@ def bench_load(model: str | GPTConfig = "gpt2-small", strategies: list[str] | No
     """Write a seeded checkpoint of `model` (a preset name or a config) in every format the strategies need, then
     run each strategy `repeats` times, each in a fresh process. Checkpoints go to `directory` (default: a
     temporary folder in the course cache, deleted afterwards: on disk, as /tmp may be RAM)."""
-    from ..text.data import cache_dir
+    from ..system.files import cache_dir
 
     config = GPTConfig.from_preset(model, dropout=0.0) if isinstance(model, str) else model
     label = model if isinstance(model, str) else "custom"

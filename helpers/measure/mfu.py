@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from ..model.gpt import GPT
-from ..system.device import default_device_type, dtype_name
+from ..system.device import dtype_name
 from .batch_size import make_training_step
+from .calibration import load_calibration
 from .flops import check_shape, forward_flops, training_step_flops
 from .timing import median_seconds
 
@@ -64,33 +65,6 @@ def datasheet_peak_flops(device_name: str, dtype: torch.dtype | str | None) -> f
     return None if tflops is None else tflops * 1e12
 
 
-def _default_device() -> torch.device:
-    return torch.device(default_device_type())
-
-
-def measure_matmul_flops(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                         n: int | None = None, min_run_time: float = 0.5) -> float:
-    """Achieved FLOP/s of one large square matmul (2·n³ FLOPs): the practical peak of this device and dtype.
-
-    Used where no datasheet applies (CPUs, Apple GPUs, unknown GPUs). Default n: 8192 on CUDA, 2048 elsewhere.
-    """
-    device = _default_device() if device is None else torch.device(device)
-    n = n or (8192 if device.type == "cuda" else 2048)
-    a = torch.randn(n, n, device=device).to(dtype or torch.float32)
-    b = torch.randn(n, n, device=device).to(dtype or torch.float32)
-    return 2 * n**3 / median_seconds(lambda: a @ b, device, min_run_time)
-
-
-def measure_memory_bandwidth(device: torch.device | str | None = None, nbytes: int | None = None,
-                             min_run_time: float = 0.5) -> float:
-    """Achieved bytes/s of copying a buffer far larger than the caches (each copy reads and writes it once)."""
-    device = _default_device() if device is None else torch.device(device)
-    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 256 << 20)
-    src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), device, min_run_time)
-
-
 @dataclass(frozen=True)
 class PeakFlops:
     flops: float  # FLOP/s
@@ -99,13 +73,16 @@ class PeakFlops:
 
 def peak_flops(device_name: str, device_type: str, dtype: torch.dtype | None,
                measure: Callable[[], float] | None = None) -> PeakFlops:
-    """The peak MFU divides by: the datasheet's dense figure for a known GPU, else this device's measured matmul."""
+    """The peak MFU divides by: the datasheet's dense figure for a known GPU, else this device's measured matmul
+    (by default this machine's cached calibration, `helpers.measure.calibration`)."""
     if device_type == "cuda":
         sheet = datasheet_peak_flops(device_name, dtype)
         if sheet is not None:
             return PeakFlops(sheet, f"datasheet ({gpu_model(device_name)}, {dtype_name(dtype)})")
-    measured = (measure or (lambda: measure_matmul_flops(device_type, dtype)))()
-    return PeakFlops(measured, f"measured (large matmul on this {device_type}, {dtype_name(dtype)})")
+    if measure is None:
+        def measure():
+            return load_calibration(device_type, (dtype_name(dtype),)).peak(dtype)
+    return PeakFlops(measure(), f"measured (large matmul on this {device_type}, {dtype_name(dtype)})")
 
 
 def mfu(achieved_flops_per_s: float, peak_flops_per_s: float) -> float:

@@ -1,5 +1,8 @@
-"""The roofline: a device's measured peak and memory bandwidth, and a GPT's operations placed on it by
-arithmetic intensity (FLOPs per byte moved): below the ridge an operation is bound by memory, above by compute."""
+"""The roofline: a device's measured peak and memory bandwidths, and a GPT's operations placed on it by
+arithmetic intensity (FLOPs per byte moved): below the ridge an operation is bound by memory, above by compute.
+
+A small operation's data stays in cache between runs, so its memory roof is the bandwidth of the cache level
+that holds its working set (`Calibration.level_for`), not main memory's."""
 
 from __future__ import annotations
 
@@ -10,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from ..model.config import GPTConfig
+from .calibration import Calibration
 from .flops import check_shape, ffn_hidden_dim
-from .timing import median_seconds
+from .timing import Spread, interleaved
 
 # Rough arithmetic per element of the elementwise operations. Whatever the exact count, it is O(1) per element
 # read, so their intensity stays near 1 FLOP/byte and memory bandwidth bounds them.
@@ -100,6 +104,27 @@ def gpt_operations(config: GPTConfig, batch: int, seq: int, device: torch.device
     ]
 
 
-def time_operation(op: Operation, min_run_time: float = 0.2) -> float:
-    """Median seconds of one run of `op` (after a warm-up run)."""
-    return median_seconds(op.make(), op.device, min_run_time)
+def time_operation(op: Operation, rounds: int = 7) -> Spread:
+    """Seconds of one run of `op` over `rounds` timed samples (after a warm-up run)."""
+    return interleaved({op.name: op.make()}, op.device, rounds=rounds)[op.name]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """An operation on the roofline: its measured FLOP/s against the roof at its intensity and working set."""
+
+    op: Operation
+    achieved: Spread  # FLOP/s
+    level: str  # the memory level whose bandwidth bounds it: L2, L3 or DRAM
+    roof: float  # attainable FLOP/s
+
+    @property
+    def of_roof(self) -> float:
+        return self.achieved.median / self.roof
+
+
+def place(op: Operation, seconds: Spread, calibration: Calibration, dtype: torch.dtype | None) -> Placement:
+    """Place a timed operation against the roof of its working set (`op.bytes`) on a calibrated device."""
+    level = calibration.level_for(op.bytes)
+    roof = roofline(op.intensity, calibration.peak(dtype), calibration.bandwidths[level].median)
+    return Placement(op, seconds.map(lambda s: op.flops / s), level, roof)

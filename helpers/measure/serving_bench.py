@@ -16,6 +16,7 @@ from ..model.config import GPTConfig
 from ..model.gpt import GPT
 from ..system.device import dtype_name
 from ..text.data import load_token_ids
+from .timing import Spread, verdict
 
 
 def mixed_workload(n_requests: int, context_length: int, seed: int = 0,
@@ -78,8 +79,9 @@ def bench_serve(model_name: str, n_requests: int, max_batch: int, block_size: in
     """Serve one mixed workload (all requests arrive at t=0) with each engine of `engine_arguments`; same model
     (random weights, seeded), same forward code. Returns the report and each engine's `ServingRun`.
 
-    With `repeats` > 1 the engines run in turn that many times and each keeps its fastest run (the schedule is
-    the same every time; only the timing varies, and on a shared machine the fastest run is the least disturbed).
+    The engines run in turn, interleaved, `repeats` times (the schedule is the same every time; only the timing
+    varies); each engine's tokens/s is the median with its interquartile range, and each keeps its median run.
+    A timing-free figure stands beside it: generated tokens per forward pass (iteration).
 
     `token_identical`: the `check_requests` requests with the shortest prompts, each generating
     `check_max_tokens` tokens, served by every engine with fewer batch slots than requests, in float64, equal
@@ -96,16 +98,16 @@ def bench_serve(model_name: str, n_requests: int, max_batch: int, block_size: in
     if repeats < 1:
         raise ValueError(f"repeats must be 1 or more, got {repeats}")
     warmup = [Request(r.request_id, r.prompt, min(r.max_tokens, 4)) for r in workload[:max_batch]]
-    runs: dict[str, ServingRun] = {}
+    every: dict[str, list[ServingRun]] = {name: [] for name in engines}
     for round_ in range(repeats):
         for name, args in engines.items():
             if progress is not None:
                 progress(f"{name} ({round_ + 1}/{repeats})" if repeats > 1 else name)
             if round_ == 0:
                 serve(model, warmup, **args)  # first calls allocate memory and pick kernels
-            run = serve(model, workload, **args)
-            if name not in runs or run.wall_s < runs[name].wall_s:
-                runs[name] = run
+            every[name].append(serve(model, workload, **args))
+    throughput = {name: Spread(tuple(r.tokens_per_s for r in rs)) for name, rs in every.items()}
+    runs = {name: sorted(rs, key=lambda r: r.wall_s)[(len(rs) - 1) // 2] for name, rs in every.items()}
     shortest = sorted(workload, key=lambda r: len(r.prompt))[:check_requests]  # GPT.generate recomputes everything
     check = [Request(r.request_id, r.prompt, check_max_tokens) for r in shortest]
     check_engines = engine_arguments(config.context_length, max(1, len(check) // 2), block_size)
@@ -115,14 +117,19 @@ def bench_serve(model_name: str, n_requests: int, max_batch: int, block_size: in
         "requests": n_requests, "max_batch": max_batch, "block_size": block_size, "repeats": repeats,
         "num_blocks": engines["continuous"]["num_blocks"], "seed": seed, "arrivals": "all at t=0",
         "prompt_tokens": sum(len(r.prompt) for r in workload), "generated_tokens": cont.generated_tokens,
-        "tokens_per_s_continuous": cont.tokens_per_s, "tokens_per_s_static": stat.tokens_per_s,
-        "throughput_ratio": cont.tokens_per_s / stat.tokens_per_s,
-        "tokens_per_s_continuous_contiguous": runs["continuous_contiguous"].tokens_per_s,
+        "throughput_ratio": throughput["continuous"].median / throughput["static"].median,
+        "continuous_vs_static": verdict("continuous (paged)", throughput["continuous"], "static",
+                                        throughput["static"]),
+        "paged_vs_contiguous": verdict("paged", throughput["continuous"], "contiguous",
+                                       throughput["continuous_contiguous"]),
         "kv_utilization_paged": cont.kv_utilization,
         "kv_utilization_contiguous": runs["continuous_contiguous"].kv_utilization,
         "kv_utilization_static": stat.kv_utilization,
     }
     for name, run in runs.items():
+        q1, q3 = throughput[name].quartiles
+        report |= {f"tokens_per_s_{name}": throughput[name].median, f"tokens_per_s_iqr_{name}": [q1, q3],
+                   f"tokens_per_forward_{name}": run.generated_tokens / len(run.iterations)}
         report |= {f"wall_s_{name}": run.wall_s, f"iterations_{name}": len(run.iterations),
                    f"padding_rows_{name}": sum(i.padding_rows for i in run.iterations),
                    f"preemptions_{name}": run.preemptions}
@@ -139,7 +146,7 @@ def format_report(report: dict) -> str:
     head = (f"{report['requests']} requests (all at t=0), {report['prompt_tokens']} prompt and "
             f"{report['generated_tokens']} generated tokens; {report['model']} on {report['device']}, "
             f"{report['dtype']}, max batch {report['max_batch']}"
-            + (f"; fastest of {report['repeats']} runs each" if report["repeats"] > 1 else ""))
+            + f"; median (IQR) of {report['repeats']} interleaved runs each")
     throughput = {n: report[f"tokens_per_s_{n}"] for n in names}
     utilization = {"continuous": report["kv_utilization_paged"], "static": report["kv_utilization_static"],
                    "continuous_contiguous": report["kv_utilization_contiguous"]}
@@ -147,6 +154,8 @@ def format_report(report: dict) -> str:
         ("scheduling", "continuous", "continuous", "static"),
         ("KV cache", f"paged ({report['block_size']}-token blocks)", "contiguous rows", "contiguous rows"),
         ("generated tokens / s", *(f"{throughput[n]:.1f}" for n in names)),
+        ("  IQR", *("{:.1f}–{:.1f}".format(*report[f"tokens_per_s_iqr_{n}"]) for n in names)),
+        ("generated tokens / forward pass", *(f"{report[f'tokens_per_forward_{n}']:.2f}" for n in names)),
         ("wall time (s)", *(f"{report[f'wall_s_{n}']:.2f}" for n in names)),
         *[(f"latency {p} (s)", *(f"{report[f'latency_{p}_s_{n}']:.2f}" for n in names)) for p in ("p50", "p90", "p99")],
         ("iterations", *(str(report[f"iterations_{n}"]) for n in names)),
@@ -155,7 +164,7 @@ def format_report(report: dict) -> str:
         ("KV utilisation (used / allocated)", *(f"{utilization[n]:.1%}" for n in names)),
     ]
     lines = [head] + [f"{label:<34} {a:>24} {b:>22} {c:>16}" for label, a, b, c in rows]
-    lines.append(f"throughput ratio (continuous paged / static): {report['throughput_ratio']:.2f}x")
+    lines.append(f"throughput: {report['continuous_vs_static']}; {report['paged_vs_contiguous']}")
     lines.append(f"token-identical to GPT.generate in float64 ({report['token_identical_requests']} requests, "
                  f"every engine): {report['token_identical']}; float32 outputs equal between continuous and static: "
                  f"{report['float32_same_tokens']:.0%} of requests")

@@ -48,7 +48,7 @@ from ..system.device import (
 )
 from ..training.step import TrainingStep
 from .flops import training_step_flops
-from .mfu import PeakFlops, measure_matmul_flops, mfu, peak_flops
+from .mfu import PeakFlops, mfu, peak_flops
 from .peer import PEER_ATTENTION, gpt_logits, peer_logits, transformers_peer
 from .timing import timed_rounds, warm_up
 
@@ -277,8 +277,7 @@ class Ladder:
         self.interleave = self.device.type != "cuda" if interleave is None else interleave
         self.plan = plan_ladder(self.caps, batch, ctx, accumulation, config.vocab_size, until)
         dtype = autocast_dtype(self.caps)
-        self.peak = peak or peak_flops(self.caps.name, self.caps.device_type, dtype,
-                                       measure=lambda: measure_matmul_flops(self.device, dtype, min_run_time=0.3))
+        self.peak = peak or peak_flops(self.caps.name, self.caps.device_type, dtype)
         torch.manual_seed(seed)
         self.initial = GPT(self.config)  # every rung starts from these weights (on the CPU)
         self.results: list[RungResult] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import platform
 import warnings
 
@@ -71,7 +72,8 @@ def environment_line() -> str:
     """One line for a notebook's first cell: versions, device, precision, scale."""
     r = environment_report()
     return (f"torch {r['torch']} | python {r['python']} | {r['device']}: {r['device_name']} "
-            f"({r['cpu_threads']} CPU threads) | autocast {r['autocast_dtype']} | scale {r['scale']}")
+            f"({r['cpu_threads']} CPU threads) | autocast {r['autocast_dtype']} | scale {r['scale']} | "
+            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d}")
 
 
 def capability_checks(report: dict) -> list[tuple[bool, str, str]]:

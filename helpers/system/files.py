@@ -64,3 +64,12 @@ def atomic_directory(directory: str | os.PathLike) -> Iterator[Path]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     fsync_dir(directory.parent)
+
+
+CACHE_ENV = "COURSE_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where the course keeps downloads and this machine's calibration: `$COURSE_CACHE_DIR`, else
+    `~/.cache/gpt-from-scratch-fast`."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "gpt-from-scratch-fast")

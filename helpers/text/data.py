@@ -8,7 +8,6 @@ prose and code). Downloadable corpora are optional, cached, and verified by sha2
 from __future__ import annotations
 
 import hashlib
-import os
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..system.files import atomic_path
+from ..system.files import atomic_path, cache_dir
 
 
 @dataclass(frozen=True)
@@ -43,12 +42,6 @@ CORPORA = (DEFAULT_CORPUS, *REMOTE_CORPORA)
 
 class DownloadError(RuntimeError):
     """A corpus could not be fetched or did not match its pinned checksum."""
-
-
-def cache_dir() -> Path:
-    """Where downloads are kept: `$COURSE_CACHE_DIR`, else `~/.cache/gpt-from-scratch-fast`."""
-    default = Path.home() / ".cache" / "gpt-from-scratch-fast"
-    return Path(os.environ.get("COURSE_CACHE_DIR", default))
 
 
 def _sha256(data: bytes) -> str:

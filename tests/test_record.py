@@ -1,0 +1,70 @@
+"""Recording notebooks: the metadata each recording leaves, the refusal of a busy machine, and the estimate of
+the time left that `make course` prints."""
+
+import json
+
+import nbformat
+import pytest
+
+from helpers import __main__ as cli
+from helpers import notebooks
+
+
+def tiny_notebook(path, source="print(6 * 7)"):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source)]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_record_writes_outputs_and_metadata_in_place(tmp_path, monkeypatch):
+    path = tiny_notebook(tmp_path / "a.ipynb", "import os\nprint(os.environ['OMP_NUM_THREADS'], 6 * 7)")
+    monkeypatch.setattr(notebooks, "busy_cores", lambda seconds=3.0: 0.0)
+    assert cli.main(["record", str(path), "--threads", "1"]) == 0
+    nb = json.loads(path.read_text())
+    assert "".join(nb["cells"][0]["outputs"][0]["text"]) == "1 42\n"  # the thread count pinned for the kernel
+    meta = nb["metadata"]["course"]
+    assert meta["threads"] == 1 and meta["scale"] in ("cpu", "gpu") and meta["wall_seconds"] > 0
+    assert {"machine", "device", "torch", "recorded"} <= set(meta)
+    assert notebooks.recorded_seconds(path) == meta["wall_seconds"]
+    assert not list(tmp_path.glob(".record-*"))  # no temporary folder left behind
+
+
+@pytest.mark.parametrize("busy_after", [False, True])
+def test_a_busy_machine_is_refused(tmp_path, monkeypatch, capsys, busy_after):
+    path = tiny_notebook(tmp_path / "a.ipynb")
+    before = path.read_text()
+    readings = iter([0.0, 1.5] if busy_after else [1.5])
+    monkeypatch.setattr(notebooks, "busy_cores", lambda seconds=3.0: next(readings))
+    assert cli.main(["record", str(path)]) == 1
+    assert path.read_text() == before  # nothing written
+    assert ("got busy while" if busy_after else "the machine is busy") in capsys.readouterr().err
+
+
+def test_force_records_on_a_busy_machine(tmp_path, monkeypatch):
+    path = tiny_notebook(tmp_path / "a.ipynb")
+    monkeypatch.setattr(notebooks, "busy_cores", lambda seconds=3.0: 1.5)
+    assert cli.main(["record", str(path), "--force"]) == 0
+    assert "course" in json.loads(path.read_text())["metadata"]
+
+
+def test_busy_cores_measures_this_machine():
+    busy = notebooks.busy_cores(0.2)
+    assert busy is None or 0 <= busy
+
+
+def test_remaining_estimate_sums_the_recorded_times(tmp_path):
+    paths = [tiny_notebook(tmp_path / f"{i}.ipynb") for i in range(3)]
+    for path, seconds in zip(paths, (60, 120, 180), strict=True):
+        nb = nbformat.read(path, as_version=4)
+        nb.metadata["course"] = {"wall_seconds": seconds}
+        nbformat.write(nb, path)
+    assert notebooks.remaining_estimate(paths, 1) == "; about 5 min left by the recorded times"
+    assert notebooks.remaining_estimate(paths, 3) == ""
+    assert notebooks.remaining_estimate([*paths, tiny_notebook(tmp_path / "new.ipynb")], 0) == ""
+
+
+def test_every_notebook_records_its_machine_and_time():
+    for path in notebooks.find_notebooks():
+        meta = nbformat.read(path, as_version=4).metadata.get("course")
+        assert meta and meta["wall_seconds"] > 0 and meta["recorded"], f"{path} was not recorded with `make record`"
