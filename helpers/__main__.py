@@ -175,7 +175,7 @@ def _record(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .notebooks import busy_cores, execute_notebook, find_notebooks, remaining_estimate
+    from .notebooks import ROOT, busy_cores, execute_notebook, find_notebooks, remaining_estimate, update_readme
     from .system.device import detect_capabilities
     from .system.scale import current_scale
 
@@ -212,6 +212,8 @@ def _record(args: argparse.Namespace) -> int:
                       "on a quiet machine, or pass --force", file=sys.stderr)
                 return 1
             os.replace(Path(tmp) / path.name, path)
+    if not args.notebooks or all(p.is_relative_to(ROOT) for p in paths):
+        update_readme()  # the README's times and claims are the recording's
     return 0
 
 

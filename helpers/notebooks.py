@@ -16,6 +16,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
+from .measure.claims import claims_in_text
 from .system.files import atomic_path
 from .system.repository import REPOSITORY_URL, ROOT
 
@@ -45,7 +46,8 @@ def bootstrap_source(url: str = REPOSITORY_URL) -> str:
 
 def find_notebooks(root: Path = ROOT) -> list[Path]:
     """Every course notebook, in chapter order."""
-    return sorted(p for p in root.glob("ch*/**/*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+    return sorted(p for p in root.glob("ch*/**/*.ipynb")
+                  if not any(part.startswith(".") for part in p.relative_to(root).parts))  # checkpoints, temporaries
 
 
 def sync_bootstrap(path: Path, url: str = REPOSITORY_URL) -> bool:
@@ -190,3 +192,63 @@ def remaining_estimate(paths: list[Path], done: int) -> str:
     if not left or any(s is None for s in left):
         return ""
     return f"; about {sum(left) / 60:.0f} min left by the recorded times"
+
+
+README_SECTIONS = {  # what `python -m helpers record` writes into the README, between these markers
+    "times": ("<!-- recorded times: written by `python -m helpers record` -->", "<!-- end of recorded times -->"),
+    "claims": ("<!-- claims: written by `python -m helpers record` -->", "<!-- end of claims -->"),
+}
+
+
+def recorded_times_table(paths: list[Path], root: Path = ROOT) -> str:
+    """The README's table of each notebook's last recording: wall time, machine, threads, torch, date."""
+    rows = ["| notebook | minutes | machine | threads | torch | recorded |", "|---|---:|---|---:|---|---|"]
+    total = 0.0
+    for path in paths:
+        meta = nbformat.read(path, as_version=4).metadata.get("course")
+        name = path.resolve().relative_to(root).as_posix()
+        if meta is None:
+            rows.append(f"| `{name}` | not recorded | | | | |")
+            continue
+        total += meta["wall_seconds"]
+        bf16 = ", native bf16" if meta.get("bf16_native") else ""
+        rows.append(f"| `{name}` | {meta['wall_seconds'] / 60:.1f} | {meta['machine']} ({meta['device']}{bf16}) | "
+                    f"{meta['threads']} | {meta['torch']} | {meta['recorded']} |")
+    rows.append(f"| all | {total / 60:.0f} | | | | |")
+    return "\n".join(rows)
+
+
+def notebook_claims(path: Path) -> list[tuple[bool, str]]:
+    """(held, line) of every claim (`helpers.measure.claims.claim`) in a notebook's saved outputs."""
+    nb = nbformat.read(path, as_version=4)
+    text = "\n".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", [])
+                     if out.get("output_type") == "stream")
+    return claims_in_text(text)
+
+
+def claims_table(paths: list[Path], root: Path = ROOT) -> str:
+    """The README's table of the claims checked in each notebook's committed run, ✓ held, ✗ did not."""
+    rows = ["| notebook | claim, as checked in the committed run |", "|---|---|"]
+    for path in paths:
+        name = path.resolve().relative_to(root).as_posix()
+        rows += [f"| `{name}` | {line.replace('|', '/')} |" for _, line in notebook_claims(path)]
+    return "\n".join(rows)
+
+
+def update_readme(readme: Path = ROOT / "README.md", paths: list[Path] | None = None,
+                  root: Path = ROOT) -> bool:
+    """Write the recorded times and the claims tables between the README's markers; True when it changed."""
+    paths = paths or find_notebooks()
+    text = original = readme.read_text()
+    for key, content in (("times", recorded_times_table(paths, root)), ("claims", claims_table(paths, root))):
+        start, end = README_SECTIONS[key]
+        if start not in text or end not in text:
+            raise ValueError(f"{readme} has no {key} markers: add the lines {start!r} and {end!r}")
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        text = f"{head}{start}\n{content}\n{end}{tail}"
+    if text == original:
+        return False
+    with atomic_path(readme) as tmp:
+        tmp.write_text(text)
+    return True

@@ -64,6 +64,38 @@ def test_remaining_estimate_sums_the_recorded_times(tmp_path):
     assert notebooks.remaining_estimate([*paths, tiny_notebook(tmp_path / "new.ipynb")], 0) == ""
 
 
+def test_readme_tables_of_times_and_claims(tmp_path):
+    paths = [tiny_notebook(tmp_path / f"{i}.ipynb") for i in range(2)]
+    nb = nbformat.read(paths[0], as_version=4)
+    nb.metadata["course"] = {"wall_seconds": 90.0, "machine": "Test CPU", "device": "cpu", "bf16_native": False,
+                             "threads": 2, "torch": "2.13.0", "recorded": "2026-12-01"}
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="✓ A beats B: 2.0x\nother\n"),
+                           nbformat.v4.new_output("stream", name="stderr",
+                                                  text="✗ C | D: 0.9x  <- does not hold on this machine\n")]
+    nbformat.write(nb, paths[0])
+    times = notebooks.recorded_times_table(paths, root=tmp_path)
+    assert "| `0.ipynb` | 1.5 | Test CPU (cpu) | 2 | 2.13.0 | 2026-12-01 |" in times
+    assert "| `1.ipynb` | not recorded |" in times and times.endswith("| all | 2 | | | | |")
+    assert notebooks.notebook_claims(paths[0]) == [(True, "✓ A beats B: 2.0x"), (False, "✗ C | D: 0.9x")]
+    claims = notebooks.claims_table(paths, root=tmp_path)
+    assert claims.splitlines()[2:] == ["| `0.ipynb` | ✓ A beats B: 2.0x |", "| `0.ipynb` | ✗ C / D: 0.9x |"]
+    (t0, t1), (c0, c1) = notebooks.README_SECTIONS["times"], notebooks.README_SECTIONS["claims"]
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{t0}\nold\n{t1}\nmiddle\n{c0}\n{c1}\nrest\n")
+    assert notebooks.update_readme(readme, paths, root=tmp_path)
+    assert readme.read_text() == f"intro\n{t0}\n{times}\n{t1}\nmiddle\n{c0}\n{claims}\n{c1}\nrest\n"
+    assert not notebooks.update_readme(readme, paths, root=tmp_path)
+    readme.write_text(f"{t0}\n{t1}\n")
+    with pytest.raises(ValueError, match="no claims markers"):
+        notebooks.update_readme(readme, paths, root=tmp_path)
+
+
+def test_readme_shows_the_committed_recording(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text((notebooks.ROOT / "README.md").read_text())
+    assert not notebooks.update_readme(readme), "README's times or claims differ: run `python -m helpers record`"
+
+
 def test_every_notebook_records_its_machine_and_time():
     for path in notebooks.find_notebooks():
         meta = nbformat.read(path, as_version=4).metadata.get("course")

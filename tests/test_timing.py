@@ -100,7 +100,10 @@ def test_placement_divides_by_the_roof_of_the_working_set():
     seconds = Spread((add.bytes / 75e9,))  # moved its bytes at 75 GB/s
     p = place(add, seconds, c, None)
     assert p.level == "L3" and p.roof == pytest.approx(add.intensity * 150e9)
-    assert p.of_roof == pytest.approx(0.5)
+    assert p.of_roof == pytest.approx(0.5) and not p.above_roof
+    # above the roof: only when even the op's slower runs beat the roof's upper quartile
+    assert place(add, Spread((add.bytes / 160e9,) * 3), c, None).above_roof
+    assert not place(add, Spread((add.bytes / 140e9, add.bytes / 160e9, add.bytes / 170e9)), c, None).above_roof
 
 
 def test_calibration_is_measured_once_then_read_from_the_cache(cache, monkeypatch):

@@ -1,5 +1,6 @@
-"""Benchmark every attention implementation on the same weights: median time, peak memory, and
-which SDPA backend PyTorch dispatched to (and why FlashAttention was or was not chosen).
+"""Benchmark every attention implementation on the same weights: median time with its interquartile range
+(the implementations timed interleaved), peak memory, and which SDPA backend PyTorch dispatched to (and why
+FlashAttention was or was not chosen).
 
 `python -m helpers bench-attention --help` runs it from the command line.
 """
@@ -19,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..model.attention import IMPLEMENTATIONS, CausalSelfAttention, unavailable_reason
 from ..system.device import DTYPES, parse_dtype
 from .memory import peak_cuda_bytes, peak_rss_above_baseline, run_in_fresh_process
-from .timing import median_seconds
+from .timing import Spread, interleaved
 
 MODES = ("fwd", "fwdbwd", "compiled")  # compiled = forward of torch.compile(module)
 
@@ -40,6 +41,8 @@ class AttentionBenchResult:
     heads: int
     dtype: str
     device: str
+    iqr_ms: tuple[float, float] | None = None  # first and third quartile of the timed runs
+    differs_from_sdpa: bool | None = None  # False: the IQRs overlap SDPA's, no measurable difference
 
 
 def _skip_reason(name: str, mode: str, device: torch.device, dtype: torch.dtype, d_model: int) -> str | None:
@@ -88,41 +91,80 @@ def peak_memory_in_fresh_process(**setting) -> int:
 
 def bench_attention(batch: int, seq: int, d_model: int, heads: int, dtype: str = "float32", device: str = "cpu",
                     mode: str = "fwd", names: list[str] | None = None, min_run_time: float = 0.5,
-                    memory: bool = True) -> list[AttentionBenchResult]:
-    """Time (and measure the peak memory of) each implementation with the same weights and input."""
+                    memory: bool = True, rounds: int = 7) -> list[AttentionBenchResult]:
+    """Time (and measure the peak memory of) each implementation with the same weights and input.
+
+    The implementations run interleaved, `rounds` times each (about `min_run_time` seconds per implementation),
+    so a busy moment of the machine falls on all of them alike. Compiled ones are timed one after another:
+    compiling one resets the compiled code of the others.
+    """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
     torch_dtype, dev = parse_dtype(dtype), torch.device(device)
     names = list(IMPLEMENTATIONS) if names is None else names
-    results = []
+    common = {name: dict(name=name, description=IMPLEMENTATIONS[name].description, mode=mode, batch=batch, seq=seq,
+                         d_model=d_model, heads=heads, dtype=dtype, device=dev.type) for name in names}
+    failed: dict[str, AttentionBenchResult] = {}
+    made: dict[str, Callable] = {}  # every implementation's step
+    steps: dict[str, Callable] = {}  # the ones timed together
+    times: dict[str, Spread] = {}
+
+    def time_steps(candidates: dict[str, Callable]) -> None:
+        for name, step in list(candidates.items()):
+            try:  # warm-up, and a broken kernel found before the rounds start
+                step()
+            except Exception as err:  # report and go on: one broken kernel must not hide the others' results
+                failed[name] = _failure(err, common[name])
+                del candidates[name]
+        if candidates:
+            times.update(interleaved(candidates, dev, rounds=rounds, warmup=0, min_sample_s=min_run_time / rounds))
+
     for name in names:
-        common = dict(name=name, description=IMPLEMENTATIONS[name].description, mode=mode, batch=batch, seq=seq,
-                      d_model=d_model, heads=heads, dtype=dtype, device=dev.type)
         reason = _skip_reason(name, mode, dev, torch_dtype, d_model)
         if reason is not None:
-            results.append(AttentionBenchResult(status="skipped", reason=reason, median_ms=None, peak_mem_bytes=None,
-                                                ratio_vs_sdpa=None, **common))
+            failed[name] = AttentionBenchResult(status="skipped", reason=reason, median_ms=None, peak_mem_bytes=None,
+                                                ratio_vs_sdpa=None, **common[name])
             continue
         try:
-            _, step = make_step(name, batch, seq, d_model, heads, torch_dtype, dev, mode)
-            median_ms = median_seconds(step, dev, min_run_time) * 1e3
-            peak = None
+            _, made[name] = make_step(name, batch, seq, d_model, heads, torch_dtype, dev, mode)
+        except Exception as err:
+            failed[name] = _failure(err, common[name])
+            continue
+        if mode == "compiled":  # time it now: the next one's compilation resets this one's compiled code
+            time_steps({name: made[name]})
+        else:
+            steps[name] = made[name]
+    time_steps(steps)
+    results = []
+    for name in names:
+        if name in failed:
+            results.append(failed[name])
+            continue
+        ms = times[name].map(lambda s: s * 1e3)
+        peak = None
+        try:
             if memory and dev.type == "cuda":
-                peak = peak_cuda_bytes(step, dev)
+                peak = peak_cuda_bytes(made[name], dev)
             elif memory:
                 peak = run_in_fresh_process("helpers.measure.attention_bench:peak_memory_in_fresh_process", name=name,
                                             batch=batch, seq=seq, d_model=d_model, heads=heads, dtype=dtype,
                                             device=dev.type, mode=mode)
-            results.append(AttentionBenchResult(status="ok", reason=None, median_ms=median_ms, peak_mem_bytes=peak,
-                                                ratio_vs_sdpa=None, **common))
-        except Exception as err:  # report and go on: one broken kernel must not hide the others' results
-            results.append(AttentionBenchResult(status="error", reason=f"{type(err).__name__}: {err}"[:500],
-                                                median_ms=None, peak_mem_bytes=None, ratio_vs_sdpa=None, **common))
-    sdpa = next((r.median_ms for r in results if r.name == "sdpa" and r.status == "ok"), None)
+        except Exception as err:
+            results.append(_failure(err, common[name]))
+            continue
+        results.append(AttentionBenchResult(status="ok", reason=None, median_ms=ms.median, peak_mem_bytes=peak,
+                                            ratio_vs_sdpa=None, iqr_ms=ms.quartiles, **common[name]))
+    sdpa = next((r for r in results if r.name == "sdpa" and r.status == "ok"), None)
     for r in results:
-        if sdpa and r.median_ms is not None:
-            r.ratio_vs_sdpa = r.median_ms / sdpa
+        if sdpa is not None and r.median_ms is not None:
+            r.ratio_vs_sdpa = r.median_ms / sdpa.median_ms
+            r.differs_from_sdpa = r.iqr_ms[0] > sdpa.iqr_ms[1] or r.iqr_ms[1] < sdpa.iqr_ms[0]
     return results
+
+
+def _failure(err: Exception, common: dict) -> AttentionBenchResult:
+    return AttentionBenchResult(status="error", reason=f"{type(err).__name__}: {err}"[:500], median_ms=None,
+                                peak_mem_bytes=None, ratio_vs_sdpa=None, **common)
 
 
 def results_as_dicts(results: list[AttentionBenchResult]) -> list[dict]:
@@ -130,14 +172,20 @@ def results_as_dicts(results: list[AttentionBenchResult]) -> list[dict]:
 
 
 def format_results(results: list[AttentionBenchResult]) -> str:
-    """A text table: one row per implementation, skipped ones with their reason."""
-    lines = [f"{'implementation':<18} {'median ms':>10} {'vs sdpa':>8} {'peak MiB':>9}  note"]
+    """A text table: one row per implementation, skipped ones with their reason. A ratio marked "~" is within
+    the noise: its IQR overlaps SDPA's."""
+    lines = [f"{'implementation':<18} {'median ms':>10} {'IQR ms':>17} {'vs sdpa':>8} {'peak MiB':>9}  note"]
     for r in results:
         ms = f"{r.median_ms:10.2f}" if r.median_ms is not None else f"{'-':>10}"
+        iqr = f"{r.iqr_ms[0]:8.2f}–{r.iqr_ms[1]:<8.2f}" if r.iqr_ms is not None else f"{'-':>17}"
         ratio = f"{r.ratio_vs_sdpa:7.2f}x" if r.ratio_vs_sdpa is not None else f"{'-':>8}"
+        if r.differs_from_sdpa is False and r.name != "sdpa":
+            ratio = f"~{r.ratio_vs_sdpa:6.2f}x"
         mem = f"{r.peak_mem_bytes / 2**20:9.1f}" if r.peak_mem_bytes is not None else f"{'-':>9}"
         note = "" if r.status == "ok" else f"{r.status}: {r.reason}"
-        lines.append(f"{r.name:<18} {ms} {ratio} {mem}  {note}")
+        lines.append(f"{r.name:<18} {ms} {iqr} {ratio} {mem}  {note}")
+    if any(r.differs_from_sdpa is False and r.name != "sdpa" for r in results):
+        lines.append("~: no measurable difference from sdpa (the IQRs of their timed runs overlap)")
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.config import GPTConfig
+from ..system.device import dtype_name
 from .calibration import Calibration
 from .flops import check_shape, ffn_hidden_dim
 from .timing import Spread, interleaved
@@ -116,15 +117,23 @@ class Placement:
     op: Operation
     achieved: Spread  # FLOP/s
     level: str  # the memory level whose bandwidth bounds it: L2, L3 or DRAM
-    roof: float  # attainable FLOP/s
+    roof: float  # attainable FLOP/s, from the calibration's medians
+    roof_high: float  # the same from the calibration's upper quartiles: the roof's own spread
 
     @property
     def of_roof(self) -> float:
         return self.achieved.median / self.roof
 
+    @property
+    def above_roof(self) -> bool:
+        """Above the roof beyond both spreads: even its slower runs (first quartile) beat the roof's upper one."""
+        return self.achieved.quartiles[0] > self.roof_high
+
 
 def place(op: Operation, seconds: Spread, calibration: Calibration, dtype: torch.dtype | None) -> Placement:
     """Place a timed operation against the roof of its working set (`op.bytes`) on a calibrated device."""
     level = calibration.level_for(op.bytes)
-    roof = roofline(op.intensity, calibration.peak(dtype), calibration.bandwidths[level].median)
-    return Placement(op, seconds.map(lambda s: op.flops / s), level, roof)
+    peak, bandwidth = calibration.peaks[dtype_name(dtype)], calibration.bandwidths[level]
+    roof = roofline(op.intensity, peak.median, bandwidth.median)
+    high = roofline(op.intensity, peak.quartiles[1], bandwidth.quartiles[1])
+    return Placement(op, seconds.map(lambda s: op.flops / s), level, roof, high)
