@@ -55,7 +55,9 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
-            return 0  # .item() of a meta tensor (a token-id check, a loss to print): no value, any will do
+            # .item() of a meta tensor has no value: a flag reads False (no error path taken), a number 1 (an
+            # optimizer's step count, which bias corrections divide by, or a loss to print)
+            return False if args[0].dtype == torch.bool else 1
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
