@@ -48,11 +48,9 @@ def timed_rounds(steps: dict[str, Callable[[], float]], repeats: int,
     losses = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
-            synchronize(device)
-            start = time.perf_counter()
-            losses[name].append(step())
-            synchronize(device)
-            seconds[name].append(time.perf_counter() - start)
+            elapsed, loss = _timed(step, device)
+            seconds[name].append(elapsed)
+            losses[name].append(loss)
     return {name: (seconds[name], [float(loss) for loss in losses[name]]) for name in steps}
 
 
@@ -129,18 +127,19 @@ def interleaved(steps: dict[str, Callable[[], object]], device: torch.device, ro
     for name, step in steps.items():
         for _ in range(warmup):  # allocations, kernel choice, compilation
             step()
-        repeats[name] = max(1, math.ceil(min_sample_s / max(_seconds(step, device, 1), 1e-9)))
+        repeats[name] = max(1, math.ceil(min_sample_s / max(_timed(step, device)[0], 1e-9)))
     samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
-            samples[name].append(_seconds(step, device, repeats[name]))
+            samples[name].append(_timed(step, device, repeats[name])[0])
     return {name: Spread(tuple(s)) for name, s in samples.items()}
 
 
-def _seconds(step: Callable[[], object], device: torch.device, number: int) -> float:
+def _timed(step: Callable[[], object], device: torch.device, number: int = 1) -> tuple[float, object]:
+    """Seconds per call of `number` calls, the device synchronized around them, and the last call's result."""
     synchronize(device)
     start = time.perf_counter()
     for _ in range(number):
-        step()
+        out = step()
     synchronize(device)
-    return (time.perf_counter() - start) / number
+    return (time.perf_counter() - start) / number, out
