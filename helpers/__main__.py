@@ -21,7 +21,7 @@ SCALE_DEFAULTS = {
                     "cpu": dict(model="gpt-cpu", requests=64, max_batch=16, block_size=8),
                     "gpu": dict(model="gpt2-small", requests=256, max_batch=64, block_size=16)},
     "bench-train": {"smoke": dict(model="gpt-smoke", batch=2, ctx=64, steps=2),
-                    "cpu": dict(model="gpt-cpu", batch=4, ctx=128, steps=4),
+                    "cpu": dict(model="gpt-cpu", batch=4, ctx=128, steps=5),
                     "gpu": dict(model="gpt2-small", batch=8, ctx=1024, steps=10)},
 }
 
@@ -281,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--only", nargs="+", choices=list(STRATEGIES), metavar="NAME",
                       help=f"strategies to run (default: all of {', '.join(STRATEGIES)})")
     load.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: the best available")
-    load.add_argument("--repeats", type=positive_int, default=1,
-                      help="fresh-process runs per strategy; medians are reported")
+    load.add_argument("--repeats", type=positive_int, default=3,
+                      help="fresh-process runs per strategy, interleaved; median and IQR (default: 3)")
     load.add_argument("--cold", action="store_true", help="drop the checkpoint from the page cache before each run")
     load.add_argument("--json", action="store_true", help="a JSON list instead of a table")
     load.set_defaults(func=_bench_load)
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--ctx", type=positive_int,
                        help=scale_help("bench-train", "ctx", "tokens per sequence, at most the preset's context"))
     train.add_argument("--steps", type=positive_int,
-                       help=scale_help("bench-train", "steps", "timed optimizer steps per rung; medians"))
+                       help=scale_help("bench-train", "steps", "timed optimizer steps per rung; median and IQR"))
     train.add_argument("--warmup", type=positive_int, default=2,
                        help="untimed steps first, compilation included (default: 2)")
     train.add_argument("--accumulation", type=positive_int, default=4,

@@ -207,6 +207,8 @@ def test_throughput_counts_tokens_and_model_flops(mode):
     before = model.lm_head.weight.detach().clone()
     t = measure_throughput(model, mode, batch=2, seq=16, min_run_time=0.01)
     assert t.tokens_per_s == pytest.approx(32 / t.seconds)
+    q1, q3 = t.seconds_iqr
+    assert 0 < q1 <= t.seconds <= q3
     flops = training_step_flops(TINY, 2, 16) if mode == "train" else forward_flops(TINY, 2, 16).total()
     assert t.flops_per_step == flops and t.flops_per_s == pytest.approx(flops / t.seconds)
     assert torch.equal(model.lm_head.weight, before) == (mode == "forward")  # a training step updates weights

@@ -3,6 +3,7 @@
 import dataclasses
 import importlib
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -164,6 +165,19 @@ def test_bench_skips_what_does_not_fit_in_memory(tmp_path, monkeypatch):
     assert ok.status == "ok" and ok.matches_reference and ok.cold and ok.model == "custom"
 
 
+def test_load_seconds_is_the_spread_of_the_repeats():
+    common = dict(strategy="mmap_assign", description="", model="custom", device="cpu", checkpoint_bytes=1,
+                  peak_rss_bytes=1, peak_cuda_bytes=None, resident_file_bytes=0, matches_reference=True, cold=False)
+    ran = load_bench.LoadBenchResult(status="ok", reason=None, seconds=0.2, first_forward_seconds=1.0,
+                                     seconds_runs=[0.1, 0.2, 0.4], first_forward_seconds_runs=[1.0, 1.0, 2.0],
+                                     **common)
+    assert load_bench.load_seconds(ran).samples == (0.1, 0.2, 0.4)
+    assert load_bench.load_seconds(ran, first_forward=True).samples == (1.1, 1.2, 2.4)
+    skipped = dataclasses.replace(ran, status="skipped", reason="needs ~2 GiB", seconds_runs=None)
+    with pytest.raises(ValueError, match="mmap_assign did not run \\(needs ~2 GiB\\)"):
+        load_bench.load_seconds(skipped)
+
+
 def test_bench_rejects_bad_arguments():
     with pytest.raises(ValueError, match="unknown strategies \\['fast'\\]; valid: baseline, map_location"):
         load_bench.bench_load(TINY, ["fast"])
@@ -178,7 +192,7 @@ def test_cli_json_and_mmap_peak_below_baseline():
     forward pass that touches them). The math library's one-time buffers (~10 MB on the first LM-head-sized GEMM on
     some CPUs) are set up by the warm-up run, so they do not blur the ratio; an extra copy makes it ~0.7x."""
     done = subprocess.run(
-        [sys.executable, "-m", "helpers", "bench-load", "--model", "gpt-smoke", "--json",
+        [sys.executable, "-m", "helpers", "bench-load", "--model", "gpt-smoke", "--json", "--repeats", "2",
          "--only", "baseline", "mmap_assign", "safetensors_file"],
         capture_output=True, text=True, check=True, timeout=300,
     )
@@ -187,6 +201,7 @@ def test_cli_json_and_mmap_peak_below_baseline():
     for row in rows.values():
         assert {"strategy", "peak_rss_bytes", "checkpoint_bytes", "seconds"} <= set(row)
         assert row["status"] == "ok" and row["matches_reference"] and row["model"] == "gpt-smoke"
+        assert len(row["seconds_runs"]) == 2 and row["seconds"] == pytest.approx(statistics.median(row["seconds_runs"]))
     baseline = rows["baseline"]["peak_rss_bytes"]
     assert baseline > 1.5 * rows["mmap_assign"]["peak_rss_bytes"]
     assert baseline > 1.5 * rows["safetensors_file"]["peak_rss_bytes"]

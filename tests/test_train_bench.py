@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from statistics import median
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from helpers.measure.train_bench import (
     make_batches,
     padded_vocab_model,
     plan_ladder,
+    rung_tokens_per_s,
 )
 from helpers.model.hf_gpt2 import hf_names, is_conv1d
 from helpers.system.device import REFERENCE_DEVICES, detect_capabilities
@@ -229,6 +231,9 @@ def check_report(report: dict) -> None:
         s = r["settings"]
         tokens = s["batch"] * s["ctx"] * s["accumulation"]
         assert r["tokens_per_s"] == pytest.approx(tokens / (r["step_ms"] / 1e3))
+        assert len(r["step_ms_runs"]) == report["steps"] and r["step_ms"] == pytest.approx(median(r["step_ms_runs"]))
+        q1, q3 = r["tokens_per_s_iqr"]
+        assert min(rung_tokens_per_s(r).samples) <= q1 <= r["tokens_per_s"] <= q3 <= max(rung_tokens_per_s(r).samples)
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * report["flops_per_token"] / report["peak_flops"])
         assert math.isfinite(r["first_loss"]) and r["last_loss"] < r["first_loss"]
     best = max((r for r in rungs.values() if r["status"] == "ok"), key=lambda r: r["tokens_per_s"])
@@ -243,6 +248,10 @@ def check_report(report: dict) -> None:
     else:
         assert report["ratio_vs_transformers"] == report["ratio_vs_transformers_eager"]
         assert report["ratio_vs_transformers_is"] == "eager" and report["ratio_vs_transformers_compiled"] is None
+    peer = "transformers_compiled" if best["settings"]["compile"] else "transformers_eager"
+    (o1, o3), (p1, p3) = c["ours_tokens_per_s_iqr"], c[f"{peer}_tokens_per_s_iqr"]
+    apart = o3 < p1 or p3 < o1
+    assert ("no measurable difference" not in c["verdict"]) == apart, c["verdict"]
     # ours and the peer start from the same weights and train on the same batches: the same first loss
     for name, loss in c["first_loss"].items():
         assert loss == pytest.approx(c["first_loss"]["ours"], rel=1e-2), name

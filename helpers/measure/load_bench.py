@@ -30,6 +30,7 @@ from .memory import (
     proc_status_bytes,
     run_in_fresh_process,
 )
+from .timing import Spread
 
 # The one-block model each measuring process loads first (from `<folder>/warm-up/`), with the same strategy: the
 # same widths, so the math library sets up its buffers for these matrix shapes (on some CPUs ~10 MB on the first
@@ -143,6 +144,8 @@ class LoadBenchResult:
     peak_cuda_bytes: int | None  # peak CUDA allocation (on a CUDA device)
     seconds: float | None  # the load: from the call to a model on the device (median over repeats)
     first_forward_seconds: float | None  # then the first forward pass plus a read of the embedding tables
+    seconds_runs: list[float] | None  # the load time of each repeat (its spread: `load_seconds`)
+    first_forward_seconds_runs: list[float] | None
     resident_file_bytes: int | None  # RSS that maps the checkpoint file (page cache), with the model loaded
     matches_reference: bool | None  # same logits as the saved model, and the LM head still tied
     cold: bool  # the checkpoint was dropped from the page cache before each run
@@ -208,6 +211,7 @@ def _bench(config: GPTConfig, label: str, names: list[str], device: str, directo
         if not rows:
             results.append(LoadBenchResult(status="skipped", reason=skipped[name], peak_rss_bytes=None,
                                            peak_cuda_bytes=None, seconds=None, first_forward_seconds=None,
+                                           seconds_runs=None, first_forward_seconds_runs=None,
                                            resident_file_bytes=None, matches_reference=None, **common))
             continue
         cuda = [r["peak_cuda_bytes"] for r in rows if "peak_cuda_bytes" in r]
@@ -217,12 +221,23 @@ def _bench(config: GPTConfig, label: str, names: list[str], device: str, directo
             peak_cuda_bytes=int(statistics.median(cuda)) if cuda else None,
             seconds=statistics.median(r["seconds"] for r in rows),
             first_forward_seconds=statistics.median(r["first_forward_seconds"] for r in rows),
+            seconds_runs=[r["seconds"] for r in rows],
+            first_forward_seconds_runs=[r["first_forward_seconds"] for r in rows],
             resident_file_bytes=int(statistics.median(r["resident_file_bytes"] for r in rows)),
             matches_reference=all(r["tied"] == config.tie_weights and torch.allclose(
                 torch.tensor(r["logits"]), expected, rtol=1e-4, atol=1e-5) for r in rows),
             **common,
         ))
     return results
+
+
+def load_seconds(result: LoadBenchResult, first_forward: bool = False) -> Spread:
+    """A strategy's load time over its repeats (plus the first forward pass: what a user waits for), to compare
+    strategies by `helpers.measure.timing.verdict`."""
+    if result.status != "ok":
+        raise ValueError(f"{result.strategy} did not run ({result.reason}); only measured strategies have times")
+    extra = result.first_forward_seconds_runs if first_forward else [0.0] * len(result.seconds_runs)
+    return Spread(tuple(a + b for a, b in zip(result.seconds_runs, extra, strict=True)))
 
 
 def results_as_dicts(results: list[LoadBenchResult]) -> list[dict]:
@@ -234,14 +249,16 @@ def format_results(results: list[LoadBenchResult]) -> str:
     cuda = any(r.peak_cuda_bytes is not None for r in results)
     header = (f"{'strategy':<17} {'peak RSS MiB':>12} {'x ckpt':>7} {'mapped MiB':>10}"
               + (f" {'peak GPU MiB':>12} {'x ckpt':>7}" if cuda else "")
-              + f" {'load s':>8} {'1st fwd s':>9} {'load+fwd s':>10}  same logits")
+              + f" {'load s':>8} {'IQR':>13} {'1st fwd s':>9} {'load+fwd s':>10}  same logits")
     lines = [header]
     for r in results:
         if r.status != "ok":
             lines.append(f"{r.strategy:<17} skipped: {r.reason}")
             continue
         gpu = f" {r.peak_cuda_bytes / 2**20:12.1f} {r.peak_cuda_bytes / r.checkpoint_bytes:6.2f}x" if cuda else ""
+        iqr = "{:.3f}–{:.3f}".format(*load_seconds(r).quartiles)
         lines.append(f"{r.strategy:<17} {r.peak_rss_bytes / 2**20:12.1f} {r.peak_rss_bytes / r.checkpoint_bytes:6.2f}x "
-                     f"{r.resident_file_bytes / 2**20:10.1f}{gpu} {r.seconds:8.3f} {r.first_forward_seconds:9.3f} "
-                     f"{r.seconds + r.first_forward_seconds:10.3f}  {'yes' if r.matches_reference else 'NO'}")
+                     f"{r.resident_file_bytes / 2**20:10.1f}{gpu} {r.seconds:8.3f} {iqr:>13} "
+                     f"{r.first_forward_seconds:9.3f} {r.seconds + r.first_forward_seconds:10.3f}  "
+                     f"{'yes' if r.matches_reference else 'NO'}")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from ..system.device import dtype_name
 from .batch_size import make_training_step
 from .calibration import load_calibration
 from .flops import check_shape, forward_flops, training_step_flops
-from .timing import median_seconds
+from .timing import interleaved
 
 # Dense peak TFLOP/s from NVIDIA's datasheets (SXM unless named): tensor cores for tf32/bf16/fp16 (without the
 # 2:4-sparsity doubling), CUDA cores for float32. A key is missing where the GPU has no such tensor cores.
@@ -99,15 +99,16 @@ class Throughput:
     seq: int
     dtype: str  # autocast dtype, or float32
     seconds: float  # median seconds per step
+    seconds_iqr: tuple[float, float]  # first and third quartile of the timed rounds
     tokens_per_s: float
     flops_per_step: int  # analytic model FLOPs (training: 3x forward)
     flops_per_s: float
 
 
 def measure_throughput(model: GPT, mode: str, batch: int, seq: int, dtype: torch.dtype | None = None,
-                       min_run_time: float = 1.0) -> Throughput:
-    """Median time of a forward pass or a training step (forward, backward, AdamW) on random tokens, as tokens/s
-    and model FLOP/s."""
+                       min_run_time: float = 1.0, rounds: int = 7) -> Throughput:
+    """Time of a forward pass or a training step (forward, backward, AdamW) on random tokens, as tokens/s and model
+    FLOP/s: median and interquartile range of `rounds` timed samples of at least `min_run_time / rounds` seconds."""
     if mode not in ("forward", "train"):
         raise ValueError(f"unknown mode {mode!r}; valid modes: forward, train")
     config = model.config
@@ -127,5 +128,7 @@ def measure_throughput(model: GPT, mode: str, batch: int, seq: int, dtype: torch
 
         def step():
             train_step(batch)
-    seconds = median_seconds(step, device, min_run_time)
-    return Throughput(mode, batch, seq, dtype_name(dtype), seconds, batch * seq / seconds, flops, flops / seconds)
+    timed = interleaved({mode: step}, device, rounds=rounds, min_sample_s=min_run_time / rounds)[mode]
+    seconds = timed.median
+    return Throughput(mode, batch, seq, dtype_name(dtype), seconds, timed.quartiles, batch * seq / seconds, flops,
+                      flops / seconds)

@@ -15,23 +15,6 @@ import torch
 from ..system.device import synchronize
 
 
-def median_seconds(step: Callable[[], object], device: torch.device, min_run_time: float) -> float:
-    """Median seconds of `step()` after a warm-up run, by torch.utils.benchmark (which synchronizes CUDA itself;
-    Apple's MPS is synchronized here)."""
-    run = step
-    if device.type == "mps":
-        def run():
-            step()
-            synchronize(device)
-    # Imported here: torch.utils.benchmark loads the C++ extension machinery, which on a CUDA build of torch
-    # without a GPU logs a warning; importing this module (as every --help of the command line does) stays quiet.
-    from torch.utils import benchmark
-
-    run()  # warm-up: allocations, optimizer state, kernel selection, compilation
-    timer = benchmark.Timer("run()", globals={"run": run}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median
-
-
 def warm_up(step: Callable[[], float], n: int) -> list[float]:
     """Run `n` untimed steps (allocation, kernel choice, compilation); their losses."""
     return [float(step()) for _ in range(n)]

@@ -8,7 +8,8 @@ from the same initial weights and trains on the same batches, so their losses mu
 their precision), which the report keeps next to the speed.
 
 A training step here is one optimizer step: `accumulation` micro-batches of `batch` sequences of `ctx` tokens,
-forward and backward, then AdamW. Speed is tokens per second (median over timed steps, after warm-up steps); MFU
+forward and backward, then AdamW. Speed is tokens per second (median and interquartile range over timed steps,
+after warm-up steps; on CPUs the rungs' steps are timed interleaved, so a busy moment hits them alike); MFU
 counts the model's FLOPs (`helpers.measure.flops.training_step_flops`, the published vocabulary) against the peak of the
 precision the device trains in (`helpers.measure.mfu.peak_flops`: a datasheet for known GPUs, a measured matmul
 elsewhere), so MFU rises with tokens/s along the ladder.
@@ -50,7 +51,7 @@ from ..training.step import TrainingStep
 from .flops import training_step_flops
 from .mfu import PeakFlops, mfu, peak_flops
 from .peer import PEER_ATTENTION, gpt_logits, peer_logits, transformers_peer
-from .timing import timed_rounds, warm_up
+from .timing import Spread, timed_rounds, verdict, warm_up
 
 VOCAB_MULTIPLE = 64  # matmul tiles and vector widths divide it: 50257 -> 50304
 LEARNING_RATE = 3e-4
@@ -242,6 +243,13 @@ def make_batches(vocab_size: int, settings: StepSettings, device: torch.device |
 # ---- the ladder ----
 
 
+def rung_tokens_per_s(rung: dict) -> Spread:
+    """A measured rung of a report (`report["rungs"][i]`) as tokens/s per timed step, to compare rungs by
+    `helpers.measure.timing.verdict`."""
+    tokens = StepSettings(**rung["settings"]).tokens_per_step
+    return Spread(tuple(tokens / (ms / 1e3) for ms in rung["step_ms_runs"]))
+
+
 @dataclass
 class RungResult:
     name: str
@@ -251,6 +259,8 @@ class RungResult:
     settings: dict | None = None
     step_ms: float | None = None  # median milliseconds per optimizer step
     tokens_per_s: float | None = None
+    step_ms_runs: list[float] | None = None  # every timed step, in milliseconds
+    tokens_per_s_iqr: list[float] | None = None  # first and third quartile of tokens/s over the timed steps
     mfu: float | None = None
     first_loss: float | None = None  # the loss of the first step (same weights and batch on every rung)
     last_loss: float | None = None
@@ -311,6 +321,9 @@ class Ladder:
         s = StepSettings(**result.settings)
         median = statistics.median(seconds)
         return dataclasses.replace(result, status="ok", step_ms=1e3 * median, tokens_per_s=s.tokens_per_step / median,
+                                   step_ms_runs=[1e3 * t for t in seconds],
+                                   tokens_per_s_iqr=list(Spread(tuple(seconds)).map(
+                                       lambda t: s.tokens_per_step / t).quartiles),
                                    mfu=mfu(self.flops_per_step(s) / median, self.peak.flops),
                                    first_loss=losses[0], last_loss=losses[-1])
 
@@ -406,10 +419,16 @@ class Ladder:
         warm = {name: warm_up(step, self.warmup) for name, step in steps.items()}
         rounds = timed_rounds(steps, self.steps, self.device)
         tokens = {name: s.tokens_per_step / statistics.median(seconds) for name, (seconds, _) in rounds.items()}
+        spread = {name: Spread(tuple(seconds)).map(lambda t: s.tokens_per_step / t)
+                  for name, (seconds, _) in rounds.items()}
+        peer_name = "transformers_compiled" if s.compile else "transformers_eager"
         out |= {"status": "ok", "note": "transformers trained with our best rung's settings, timed interleaved",
                 "ours_tokens_per_s": tokens["ours"],
                 "transformers_eager_tokens_per_s": tokens["transformers_eager"],
                 "transformers_compiled_tokens_per_s": tokens.get("transformers_compiled"),
+                **{f"{name}_tokens_per_s_iqr": list(spread[name].quartiles) for name in steps},
+                # a ratio only where it holds beyond the noise of the interleaved steps
+                "verdict": verdict("ours", spread["ours"], peer_name.replace("_", " "), spread[peer_name]),
                 "first_loss": {name: losses[0] for name, losses in warm.items()}}
         del steps, peer, initial
         self._release()
@@ -473,14 +492,19 @@ def format_report(report: dict) -> str:
     """The ladder as a table, then the comparison with transformers."""
     lines = [f"{report['model']}: batch {report['batch']} x ctx {report['ctx']} on {report['device_name']}; "
              f"MFU against {report['peak_flops'] / 1e12:.2f} TFLOP/s, {report['peak_source']}",
-             f"{'rung':<26} {'status':<8} {'ms/step':>9} {'tokens/s':>10} {'MFU':>7} {'x base':>7} {'loss 1st':>9}"]
-    base = report["rungs"][0]["tokens_per_s"]
+             f"{'rung':<26} {'status':<8} {'ms/step':>9} {'tokens/s':>10} {'IQR':>15} {'MFU':>7} {'x base':>7} "
+             f"{'loss 1st':>9}"]
+    base = next((r for r in report["rungs"] if r["status"] == "ok"), None)
     for r in report["rungs"]:
         if r["status"] != "ok":
             lines.append(f"{r['label']:<26} {r['status']:<8} {r['note']}")
             continue
-        lines.append(f"{r['label']:<26} {'ok':<8} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10,.0f} {r['mfu']:>7.2%} "
-                     f"{r['tokens_per_s'] / base if base else float('nan'):>7.2f} {r['first_loss']:>9.4f}")
+        # "~": within the noise of the first measured rung (their IQRs overlap)
+        same = r is not base and rung_tokens_per_s(r).overlaps(rung_tokens_per_s(base))
+        gain = f"{'~' if same else ''}{r['tokens_per_s'] / base['tokens_per_s']:.2f}"
+        iqr = "{:,.0f}–{:,.0f}".format(*r["tokens_per_s_iqr"])
+        lines.append(f"{r['label']:<26} {'ok':<8} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10,.0f} {iqr:>15} "
+                     f"{r['mfu']:>7.2%} {gain:>7} {r['first_loss']:>9.4f}")
     c = report["transformers"]
     if c is None or c["status"] != "ok":
         lines.append(f"transformers: {c['note'] if c else 'not compared'}")
@@ -491,6 +515,7 @@ def format_report(report: dict) -> str:
     if report["ratio_vs_transformers_compiled"] is not None:
         lines[-1] += (f", compiled {c['transformers_compiled_tokens_per_s']:,.0f} "
                       f"(x{report['ratio_vs_transformers_compiled']:.2f})")
+    lines.append(f"  same settings: {c['verdict']}")
     return "\n".join(lines)
 
 
