@@ -26,8 +26,11 @@ class Claim:
         return f"{HELD if self.held else FAILED} {self.text}: {self.evidence}"
 
 
-def claim(text: str, held: bool, evidence: str, scale: str | None = None) -> Claim:
-    """Print the claim with ✓ or ✗ and its evidence; a ✗ at the cpu or gpu scale goes to stderr."""
+def claim(text: str, held: bool, evidence: str, scale: str | None = None) -> None:
+    """Print the claim with ✓ or ✗ and its evidence; a ✗ at the cpu or gpu scale goes to stderr.
+
+    Returns nothing, so a claim at the end of a notebook cell adds no output of its own.
+    """
     result = Claim(text, bool(held), evidence)
     scale = scale or current_scale()
     if result.held:
@@ -36,7 +39,6 @@ def claim(text: str, held: bool, evidence: str, scale: str | None = None) -> Cla
         print(f"{result.line()} (smoke scale: sizes too small to show it; not flagged)", flush=True)
     else:
         print(f"{result.line()}  <- does not hold on this machine", file=sys.stderr, flush=True)
-    return result
 
 
 def claims_in_text(text: str) -> list[tuple[bool, str]]:
