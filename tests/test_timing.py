@@ -130,6 +130,19 @@ def test_a_missing_dtype_is_measured_and_added(cache, monkeypatch):
     assert set(json.loads(path.read_text())["peaks"]) == {"float32", "bfloat16"}
 
 
+def test_the_peak_is_the_fastest_of_square_and_feed_forward_shapes(monkeypatch):
+    """A device's fastest matmul shape varies; the peak is the best of them, so no layer's matmul beats its roof."""
+    assert cal.peak_shapes(2048) == [(2048, 2048, 2048), (2048, 768, 3072), (2048, 3072, 768)]
+    speeds = {(64, 64, 64, "a @ b"): 1.0, (64, 24, 96, "linear"): 0.5, (64, 96, 24, "linear"): 2.0}  # FLOP/s
+
+    def fake(steps, device, rounds):
+        assert len(steps) == 6  # three shapes, each as a @ b and as F.linear
+        return {name: Spread((2 * name[0] * name[1] * name[2] / speeds.get(name, 0.1),) * rounds) for name in steps}
+
+    monkeypatch.setattr(cal, "interleaved", fake)
+    assert cal.measure_peak(CPU, torch.float32, 64, rounds=3).median == pytest.approx(2.0)
+
+
 def test_the_key_changes_with_torch_threads_and_device():
     base = cal.calibration_key("cpu", "Test CPU", "2.13.0", 2)
     assert len({base, cal.calibration_key("cpu", "Test CPU", "2.14.1", 2), cal.calibration_key("cpu", "Test CPU",

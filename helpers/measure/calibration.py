@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ..system.device import detect_capabilities, dtype_name, parse_dtype
 from ..system.files import atomic_path, cache_dir
@@ -52,12 +53,28 @@ def working_sets(caches: dict[str, int], device: torch.device) -> dict[str, int]
     return sets
 
 
+def peak_shapes(n: int) -> list[tuple[int, int, int]]:
+    """(m, k, n) of the matmuls the peak is the fastest of: a square one and a transformer feed-forward's two, for
+    n tokens and width 3n/8 (n = 2048: GPT-2 small's 768 -> 3072 and back). Libraries block each shape
+    differently, so no single shape is the fastest on every device."""
+    d = 3 * n // 8
+    return [(n, n, n), (n, d, 4 * d), (n, 4 * d, d)]
+
+
 def measure_peak(device: torch.device, dtype: torch.dtype, n: int, rounds: int) -> Spread:
-    """FLOP/s of an n×n×n matmul (2·n³ FLOPs) in `dtype`: the practical peak of this device."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    seconds = interleaved({"matmul": lambda: a @ b}, device, rounds=rounds)["matmul"]
-    return seconds.map(lambda s: 2 * n**3 / s)
+    """FLOP/s of the fastest of `peak_shapes(n)` (2·m·k·n FLOPs each) in `dtype`, each both as `a @ b` and as a
+    Linear layer computes it (`F.linear(a, w)`, w stored transposed: another kernel, faster on some CPUs), all
+    taking turns: the practical peak of this device."""
+    steps, flops = {}, {}
+    for m, k, n_out in peak_shapes(n):
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(k, n_out, device=device).to(dtype)
+        w = b.t().contiguous()
+        steps[(m, k, n_out, "a @ b")] = lambda a=a, b=b: a @ b
+        steps[(m, k, n_out, "linear")] = lambda a=a, w=w: F.linear(a, w)
+        flops[(m, k, n_out, "a @ b")] = flops[(m, k, n_out, "linear")] = 2 * m * k * n_out
+    seconds = interleaved(steps, device, rounds=rounds)
+    return max((s.map(lambda t, f=flops[name]: f / t) for name, s in seconds.items()), key=lambda r: r.median)
 
 
 def measure_bandwidth(device: torch.device, working_set: int, rounds: int) -> Spread:
