@@ -18,30 +18,54 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 
 from .measure.claims import claims_in_text
 from .system.files import atomic_path
-from .system.repository import REPOSITORY_URL, ROOT
+from .system.repository import REPOSITORY_URL, REVISION, ROOT
 
-BOOTSTRAP_SOURCE = '''\
-# Setup: make `helpers` importable (in a clone, a fresh Jupyter or Colab), then print the environment.
-import importlib.util
+BOOTSTRAP_SOURCE = """\
+# Setup: use the course's `helpers` from the clone this notebook is in or, on a fresh runtime (Colab), clone the
+# course and install it; then print the environment. A failure prints one message saying what to do.
 import pathlib
 import subprocess
 import sys
 
-REPOSITORY_URL = "{url}"
-if importlib.util.find_spec("helpers") is None:
+REPOSITORY_URL = "<<URL>>"
+REVISION = "<<REVISION>>"  # the branch or tag these notebooks belong to
+
+
+def course_root():
     here = pathlib.Path.cwd().resolve()
-    clone = next((p for p in (here, *here.parents) if (p / "helpers" / "__init__.py").is_file()), None)
-    source = str(clone) if clone else f"git+{{REPOSITORY_URL}}"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", source], check=True)
-    importlib.invalidate_caches()
+    for folder in (here, *here.parents):
+        if (folder / "helpers" / "__init__.py").is_file() and (folder / "pyproject.toml").is_file():
+            return folder  # a clone: used as it is, so edits to its helpers/ take effect
+    clone = here / "gpt-from-scratch-fast"
+    if not (clone / "helpers" / "__init__.py").is_file():  # the scripts of ch07 come with the clone
+        for step in (["git", "clone", "--quiet", "--depth", "1", "--branch", REVISION, REPOSITORY_URL, str(clone)],
+                     [sys.executable, "-m", "pip", "install", "--quiet", "--editable", str(clone)]):
+            try:
+                done = subprocess.run(step, capture_output=True, text=True, timeout=900)
+            except (OSError, subprocess.TimeoutExpired) as err:
+                done = subprocess.CompletedProcess(step, 1, "", str(err))
+            if done.returncode:
+                reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                raise SystemExit(f"setup failed at `{' '.join(step[:3])}`: {reason}\\nCheck that this runtime reaches "
+                                 f"the internet, or clone {REPOSITORY_URL} yourself and open the notebook there.")
+    return clone
 
-import helpers
 
-print(helpers.environment_line())'''
+root = course_root()
+sys.path.insert(0, str(root))  # the course's helpers before any other module of that name
+try:
+    import helpers
+except ImportError as err:
+    raise SystemExit(f"the course's helpers need packages this Python lacks ({err}): run `make lab` in {root}, or "
+                     f"`pip install --editable {root}`") from None
+if pathlib.Path(helpers.__file__).resolve().parent != (root / "helpers").resolve():
+    raise SystemExit(f"`import helpers` gave {helpers.__file__}, not the course's: restart the kernel")
+
+print(helpers.environment_line())"""
 
 
-def bootstrap_source(url: str = REPOSITORY_URL) -> str:
-    return BOOTSTRAP_SOURCE.format(url=url)
+def bootstrap_source(url: str = REPOSITORY_URL, revision: str = REVISION) -> str:
+    return BOOTSTRAP_SOURCE.replace("<<URL>>", url).replace("<<REVISION>>", revision)
 
 
 def find_notebooks(root: Path = ROOT) -> list[Path]:
@@ -50,18 +74,31 @@ def find_notebooks(root: Path = ROOT) -> list[Path]:
                   if not any(part.startswith(".") for part in p.relative_to(root).parts))  # checkpoints, temporaries
 
 
-def sync_bootstrap(path: Path, url: str = REPOSITORY_URL) -> bool:
-    """Make the notebook's first code cell the bootstrap cell; True when the file changed."""
+def colab_link(path: Path, url: str = REPOSITORY_URL, revision: str = REVISION, root: Path = ROOT) -> str:
+    """A Markdown link that opens the notebook, as committed at `revision`, in Google Colab."""
+    repository = url.removeprefix("https://github.com/").removesuffix(".git")
+    return (f"[Open in Colab](https://colab.research.google.com/github/{repository}/blob/{revision}/"
+            f"{path.resolve().relative_to(root.resolve()).as_posix()})")
+
+
+def sync_bootstrap(path: Path, url: str = REPOSITORY_URL, root: Path = ROOT) -> bool:
+    """Make the notebook's first code cell the bootstrap cell, and put its Colab link under the title; True when
+    the file changed."""
     nb = nbformat.read(path, as_version=4)
+    before = nbformat.writes(nb)
     source = bootstrap_source(url)
     first = next((c for c in nb.cells if c.cell_type == "code"), None)
-    if first is not None and first.source == source:
-        return False
     if first is not None and "REPOSITORY_URL" in first.source:
         first.source = source
     else:  # no bootstrap yet: insert it after the leading markdown (title and introduction)
         at = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"), len(nb.cells))
         nb.cells.insert(at, nbformat.v4.new_code_cell(source))
+    title = nb.cells[0]
+    if title.cell_type == "markdown":
+        lines = [line for line in title.source.split("\n") if not line.startswith("[Open in Colab](")]
+        title.source = "\n".join([lines[0], "", colab_link(path, url, root=root), *lines[1:]]).replace("\n\n\n", "\n\n")
+    if nbformat.writes(nb) == before:
+        return False
     nbformat.write(nb, path)
     return True
 

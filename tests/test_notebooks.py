@@ -10,6 +10,7 @@ from helpers.notebooks import (
     ROOT,
     bootstrap_source,
     clean_outputs,
+    colab_link,
     execute_notebook,
     find_notebooks,
     sync_bootstrap,
@@ -37,6 +38,7 @@ def test_notebook_is_committed_clean(path):
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code[0].source == bootstrap_source(), "run `python -m helpers sync-bootstrap`"
+    assert colab_link(path) in nb.cells[0].source.split("\n"), "run `python -m helpers sync-bootstrap`"
     params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
     assert params == [code[1]], "the second code cell must be the only one tagged `parameters`"
     assert all(c.execution_count is not None for c in code), "commit the notebook with its outputs"
@@ -80,18 +82,62 @@ def test_clean_outputs_merges_streams_and_turns_widget_bars_into_their_final_tex
     assert "widgets" not in nb.metadata
 
 
+def test_the_readme_links_every_lesson_to_colab():
+    readme = (ROOT / "README.md").read_text()
+    urls = {p.name: colab_link(p).split("](")[1][:-1] for p in NOTEBOOKS if p.name != "solutions.ipynb"}
+    missing = [name for name, url in urls.items() if url not in readme]
+    assert not missing, f"the README's chapters table lacks a Colab link for {missing}"
+
+
 def test_sync_bootstrap_inserts_updates_and_is_idempotent(tmp_path):
     path = tmp_path / "lesson.ipynb"
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Title"), nbformat.v4.new_code_cell("1")])
     nbformat.write(nb, path)
-    assert sync_bootstrap(path, url="https://example.org/a")
+    assert sync_bootstrap(path, url="https://github.com/a/course", root=tmp_path)
     cells = nbformat.read(path, as_version=4).cells
     assert [c.cell_type for c in cells] == ["markdown", "code", "code"]
-    assert 'REPOSITORY_URL = "https://example.org/a"' in cells[1].source
-    assert not sync_bootstrap(path, url="https://example.org/a")
-    assert sync_bootstrap(path, url="https://example.org/fork")
+    assert 'REPOSITORY_URL = "https://github.com/a/course"' in cells[1].source
+    link = "[Open in Colab](https://colab.research.google.com/github/a/course/blob/main/lesson.ipynb)"
+    assert cells[0].source == f"# Title\n\n{link}"
+    assert not sync_bootstrap(path, url="https://github.com/a/course", root=tmp_path)
+    assert sync_bootstrap(path, url="https://github.com/fork/course", root=tmp_path)
     cells = nbformat.read(path, as_version=4).cells
-    assert len(cells) == 3 and 'REPOSITORY_URL = "https://example.org/fork"' in cells[1].source
+    assert len(cells) == 3 and 'REPOSITORY_URL = "https://github.com/fork/course"' in cells[1].source
+    assert cells[0].source.count("Open in Colab") == 1 and "github/fork/course/blob" in cells[0].source
+
+
+def run_bootstrap(cwd, url="https://example.invalid/course", env=None):
+    """The bootstrap cell as a script, in a folder (on Colab: /content)."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", bootstrap_source(url)], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_bootstrap_outside_a_clone_without_network_says_what_to_do(tmp_path):
+    """A fresh runtime that cannot reach the repository: one message with the reason and what to do, no
+    traceback, and nothing half-installed."""
+    done = run_bootstrap(tmp_path, url=str(tmp_path / "no-such-repository"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    first, advice = done.stderr.strip().splitlines()[-2:]
+    assert first.startswith("setup failed at `git clone --quiet`: fatal:") and "no-such-repository" in first
+    assert advice.startswith("Check that this runtime reaches the internet, or clone")
+    assert not (tmp_path / "gpt-from-scratch-fast" / "helpers").exists()
+
+
+def test_bootstrap_inside_a_clone_uses_the_clone_as_it_is(tmp_path):
+    """In a notebook's folder of a clone: nothing is installed or cloned, the clone's helpers are imported even when
+    a stray helpers.py sits in the working folder or an installed `helpers` points elsewhere."""
+    done = run_bootstrap(ROOT / "ch02_text")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("torch ") and not (ROOT / "ch02_text" / "gpt-from-scratch-fast").exists()
+    # a fresh runtime whose earlier run already cloned the course: the clone wins over a stray helpers.py
+    (tmp_path / "helpers.py").write_text("raise RuntimeError('the stray module was imported')\n")
+    (tmp_path / "gpt-from-scratch-fast").symlink_to(ROOT, target_is_directory=True)
+    done = run_bootstrap(tmp_path)
+    assert done.returncode == 0 and "stray" not in done.stderr, done.stderr
 
 
 def write_notebook(path, *sources):

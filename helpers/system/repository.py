@@ -3,4 +3,5 @@
 from pathlib import Path
 
 REPOSITORY_URL = "https://github.com/gpt-from-scratch-fast/gpt-from-scratch-fast"
+REVISION = "main"  # the branch or tag a fresh runtime clones: a release tag pins notebooks to their code
 ROOT = Path(__file__).resolve().parents[2]
