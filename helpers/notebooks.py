@@ -95,8 +95,10 @@ def sync_bootstrap(path: Path, url: str = REPOSITORY_URL, root: Path = ROOT) -> 
         nb.cells.insert(at, nbformat.v4.new_code_cell(source))
     title = nb.cells[0]
     if title.cell_type == "markdown":
-        lines = [line for line in title.source.split("\n") if not line.startswith("[Open in Colab](")]
-        title.source = "\n".join([lines[0], "", colab_link(path, url, root=root), *lines[1:]]).replace("\n\n\n", "\n\n")
+        heading, *body = [line for line in title.source.split("\n") if not line.startswith("[Open in Colab](")]
+        while body and not body[0].strip():
+            body.pop(0)
+        title.source = "\n".join([heading, "", colab_link(path, url, root=root), *(["", *body] if body else [])])
     if nbformat.writes(nb) == before:
         return False
     nbformat.write(nb, path)

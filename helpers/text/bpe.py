@@ -2,8 +2,9 @@
 
 Text is UTF-8 bytes (256 base tokens, so any string can be encoded); a pre-tokenization regex (GPT-2's by default)
 first splits it into chunks (words with their leading space, numbers, punctuation runs, whitespace), and merges
-never cross a chunk boundary: " the" is one chunk, and a different token from "the". Training counts adjacent token pairs over the chunks and repeatedly merges the most frequent pair into a
-new token; encoding replays the merges in the order they were learned. GPT-2's tokenizer is this algorithm with
+never cross a chunk boundary: " the" is one chunk, and a different token from "the". Training counts adjacent
+token pairs over the chunks and repeatedly merges the most frequent pair into a new token; encoding replays the
+merges in the order they were learned. GPT-2's tokenizer is this algorithm with
 50,000 merges learned from WebText (tiktoken runs it in Rust); `ch02_text/01_tokenization.ipynb` compares them.
 """
 
