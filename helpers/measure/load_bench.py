@@ -231,13 +231,11 @@ def _bench(config: GPTConfig, label: str, names: list[str], device: str, directo
     return results
 
 
-def load_seconds(result: LoadBenchResult, first_forward: bool = False) -> Spread:
-    """A strategy's load time over its repeats (plus the first forward pass: what a user waits for), to compare
-    strategies by `helpers.measure.timing.verdict`."""
+def load_seconds(result: LoadBenchResult) -> Spread:
+    """A strategy's load time over its repeats, to compare strategies by `helpers.measure.timing.verdict`."""
     if result.status != "ok":
         raise ValueError(f"{result.strategy} did not run ({result.reason}); only measured strategies have times")
-    extra = result.first_forward_seconds_runs if first_forward else [0.0] * len(result.seconds_runs)
-    return Spread(tuple(a + b for a, b in zip(result.seconds_runs, extra, strict=True)))
+    return Spread(tuple(result.seconds_runs))
 
 
 def results_as_dicts(results: list[LoadBenchResult]) -> list[dict]:
