@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..model.config import GPTConfig
-from ..model.decoding import cached_positions, check_decoding, check_prompt, sample_next_token
+from ..model.decoding import Sampling, cached_positions, check_decoding, check_prompt
 from ..model.gpt import GPT
 
 
@@ -98,14 +98,20 @@ def generate_with_cache(
     temperature: float = 0.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    *,
+    top_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
 ) -> torch.Tensor:
     """`GPT.generate` with a KV cache: prefill the prompts (batch, seq) of equal length, then one token per step.
 
     Returns the prompts with `max_new_tokens` tokens appended, the same tokens `GPT.generate` picks
     (up to floating-point ties: a one-token step and a whole-sequence forward round differently).
     """
+    sampling = Sampling(temperature, top_k, top_p, repetition_penalty, frequency_penalty, presence_penalty)
     check_prompt(idx, model.config.vocab_size)
-    check_decoding(max_new_tokens, temperature, top_k, model.config.vocab_size)
+    check_decoding(max_new_tokens, sampling, model.config.vocab_size)
     ctx, cached = model.config.context_length, cached_positions(idx.size(1), max_new_tokens)
     if idx.size(1) > ctx:
         raise ValueError(f"the prompt has {idx.size(1)} tokens but the context length is {ctx}; shorten it (e.g. "
@@ -127,7 +133,8 @@ def generate_with_cache(
         logits = model(idx, cache=cache, logits_at=last)[:, -1]  # prefill
         tokens = [idx]
         for step in range(max_new_tokens):
-            tokens.append(sample_next_token(logits, temperature, top_k, generator))
+            context = torch.cat(tokens, dim=1) if sampling.penalises else None
+            tokens.append(sampling.next_token(logits, context, generator))
             if step < max_new_tokens - 1:  # the last token is returned, never fed back
                 logits = model(tokens[-1], cache=cache)[:, -1]  # decode
     finally:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.decoding import cached_positions, check_decoding
+from ..model.decoding import Sampling, cached_positions, check_decoding
 from ..model.gpt import GPT
 from .paged_kv import PagedBatch, PagedKVCache
 from .scheduler import SCHEDULERS, Chunk, Request, Sequence
@@ -156,7 +156,7 @@ class Engine:
         if request.eos_id is not None and not 0 <= request.eos_id < cfg.vocab_size:
             raise ValueError(f"request {rid!r}: eos_id {request.eos_id} is outside [0, {cfg.vocab_size})")
         try:
-            check_decoding(request.max_tokens, 0.0, None, cfg.vocab_size)
+            check_decoding(request.max_tokens, Sampling(), cfg.vocab_size)
         except ValueError as err:
             raise ValueError(f"request {rid!r}: {err}".replace("max_new_tokens", "max_tokens")) from None
         if len(prompt) > cfg.context_length:

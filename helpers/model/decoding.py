@@ -3,6 +3,9 @@ accepts, which decoding arguments are valid, how many positions a cache needs, a
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -25,14 +28,11 @@ def check_token_ids(idx: torch.Tensor, vocab_size: int) -> None:
                          "come from the tokenizer the model was built for (check vocab_size in its GPTConfig)")
 
 
-def check_decoding(max_new_tokens: int, temperature: float, top_k: int | None, vocab_size: int) -> None:
+def check_decoding(max_new_tokens: int, sampling: Sampling, vocab_size: int) -> None:
     """The arguments every decoder (GPT.generate, the KV-cache generator, the serving engine) accepts."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not temperature >= 0:  # also refuses NaN
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab_size):
-        raise ValueError(f"top_k must be an integer in [1, {vocab_size}] or None, got {top_k!r}")
+    sampling.check(vocab_size)
 
 
 def cached_positions(prompt_len: int, max_new_tokens: int) -> int:
@@ -52,17 +52,78 @@ def check_prompt(idx: object, vocab_size: int) -> None:
     check_token_ids(idx, vocab_size)
 
 
-def sample_next_token(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Next token ids (batch, 1) from last-position logits (batch, vocab): greedy at temperature 0, else
-    softmax(logits / temperature) over the top_k most likely tokens. Every decoder (with or without a KV cache)
-    uses this one rule, so the same generator state draws the same tokens."""
-    logits = logits.float()
-    if temperature == 0.0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is picked from the model's logits: the one rule of every decoder, so the same generator
+    state draws the same tokens with or without a KV cache.
+
+    In order, as transformers' logits processors apply them:
+    - repetition_penalty (CTRL, Keskar et al. 2019): each token already in the context has its logit divided by
+      the penalty when positive, multiplied when negative (1: off);
+    - frequency_penalty and presence_penalty (OpenAI's API): subtract penalty × count and penalty × [count > 0]
+      from each token's logit, counted over the context (0: off);
+    - temperature: 0 is greedy (argmax of the penalised logits), else logits / temperature;
+    - top_k: keep the k most likely tokens; top_p (nucleus, Holtzman et al. 2019): keep the smallest set of most
+      likely tokens whose probabilities add up to at least p.
+    The context is every token the decoder holds for that sequence: the prompt and what it generated so far.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    def check(self, vocab_size: int) -> None:
+        if not self.temperature >= 0:  # also refuses NaN
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        k = self.top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size):
+            raise ValueError(f"top_k must be an integer in [1, {vocab_size}] or None, got {k!r}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number (0 = off), got {getattr(self, name)}")
+
+    @property
+    def penalises(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def logits(self, logits: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits (batch, vocab) the next token is drawn from, in float32: -inf where a token is excluded.
+        `context` (batch, seq) is needed only when a penalty is on. At temperature 0 only the penalties apply."""
+        logits = logits.float()
+        if self.penalises:
+            if context is None:
+                raise ValueError("repetition, frequency and presence penalties need the context's token ids")
+            counts = torch.zeros_like(logits).scatter_add_(1, context, torch.ones_like(context, dtype=logits.dtype))
+            seen = counts > 0
+            if self.repetition_penalty != 1.0:
+                penalised = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
+                logits = torch.where(seen, penalised, logits)
+            logits = logits - self.frequency_penalty * counts - self.presence_penalty * seen
+        if self.temperature == 0.0:
+            return logits
+        logits = logits / self.temperature
+        if self.top_k is not None:
+            kth = torch.topk(logits, self.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1.0:
+            ranked, order = logits.sort(dim=-1, descending=True)
+            probs = ranked.softmax(dim=-1)
+            drop_ranked = probs.cumsum(dim=-1) - probs >= self.top_p  # the more likely ones already reach top_p
+            drop = torch.empty_like(drop_ranked).scatter_(1, order, drop_ranked)  # back to vocabulary order
+            logits = logits.masked_fill(drop, float("-inf"))
+        return logits
+
+    def next_token(self, logits: torch.Tensor, context: torch.Tensor | None = None,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+        """Next token ids (batch, 1) from last-position logits (batch, vocab)."""
+        logits = self.logits(logits, context)
+        if self.temperature == 0.0:
+            return logits.argmax(dim=-1, keepdim=True)
+        return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)

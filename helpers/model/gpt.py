@@ -10,7 +10,7 @@ from torch import nn
 
 from .attention import CausalSelfAttention, KVCacheView, check_attn_implementation
 from .config import GPTConfig
-from .decoding import check_decoding, check_prompt, check_token_ids, sample_next_token
+from .decoding import Sampling, check_decoding, check_prompt, check_token_ids
 
 
 class FeedForward(nn.Module):
@@ -183,15 +183,22 @@ class GPT(nn.Module):
         temperature: float = 0.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        *,
+        top_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
     ) -> torch.Tensor:
         """Append `max_new_tokens` tokens to `idx` (batch, seq).
 
-        temperature 0 is greedy decoding; otherwise sample from softmax(logits / temperature),
-        restricted to the `top_k` most likely tokens when given. Once the sequence is longer than
-        the context, the model sees its last `context_length` tokens (a sliding window).
+        temperature 0 is greedy decoding; otherwise sample from softmax(logits / temperature), restricted to the
+        `top_k` most likely tokens and the `top_p` nucleus when given; the penalties discourage tokens already in
+        the sequence (`helpers.model.decoding.Sampling`). Once the sequence is longer than the context, the model
+        sees its last `context_length` tokens (a sliding window).
         """
+        sampling = Sampling(temperature, top_k, top_p, repetition_penalty, frequency_penalty, presence_penalty)
         check_prompt(idx, self.config.vocab_size)
-        check_decoding(max_new_tokens, temperature, top_k, self.config.vocab_size)
+        check_decoding(max_new_tokens, sampling, self.config.vocab_size)
         ctx = self.config.context_length
         if idx.size(1) > ctx:
             raise ValueError(
@@ -202,7 +209,7 @@ class GPT(nn.Module):
         self.eval()
         try:
             for _ in range(max_new_tokens):
-                next_id = sample_next_token(self(idx[:, -ctx:])[:, -1, :], temperature, top_k, generator)
+                next_id = sampling.next_token(self(idx[:, -ctx:])[:, -1, :], idx, generator)
                 idx = torch.cat([idx, next_id], dim=1)
         finally:
             self.train(was_training)
