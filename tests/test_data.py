@@ -74,3 +74,30 @@ def test_fetch_offline_says_what_to_do(tmp_path):
     remote = RemoteText("http://127.0.0.1:9/corpus.txt", "0" * 64, "corpus.txt")  # nothing listens
     with pytest.raises(DownloadError, match="offline\\? Use the default corpus 'python-docs'"):
         fetch(remote, tmp_path, timeout=5)
+
+
+def test_the_corpus_is_its_documents_joined():
+    documents = data.load_documents()
+    assert len(documents) > 50 and data.load_corpus() == "\n\n".join(documents)
+
+
+def test_document_split_holds_out_whole_documents_from_all_over_the_corpus():
+    documents = [f"document {i} " + "x" * (10 + 7 * (i % 5)) for i in range(60)]
+    train, val = data.document_split(documents, val_fraction=0.2, seed=3)
+    assert sorted(train + val) == sorted(documents) and not set(train) & set(val)  # each in exactly one part
+    assert [d for d in documents if d in set(train)] == train  # training keeps the corpus's order
+    total = sum(map(len, documents))
+    assert 0.15 * total < sum(map(len, val)) <= 0.2 * total  # filled close to, never past, the fraction
+    held = sorted(documents.index(d) for d in val)
+    assert held[0] < 20 and held[-1] >= 40  # not a tail: from the whole corpus
+    assert data.document_split(documents, 0.2, seed=3) == (train, val)
+    assert data.document_split(documents, 0.2, seed=4) != (train, val)
+
+
+def test_document_split_refuses_what_it_cannot_split():
+    with pytest.raises(ValueError, match="val_fraction must be in"):
+        data.document_split(["a", "b"], 1.0)
+    with pytest.raises(ValueError, match="at least 2 documents"):
+        data.document_split(["only one"], 0.1)
+    with pytest.raises(ValueError, match="no document fits in 10%"):
+        data.document_split(["a" * 50, "b" * 50], 0.1)

@@ -72,8 +72,9 @@ def fetch(remote: RemoteText, directory: Path | None = None, timeout: float = 30
     return dest
 
 
-def load_corpus(name: str = DEFAULT_CORPUS) -> str:
-    """The text of a corpus: "python-docs" (offline, default) or a downloadable one."""
+def load_documents(name: str = DEFAULT_CORPUS) -> list[str]:
+    """A corpus as its documents: the Language Reference's topics (in the order of their names), or a downloaded
+    text's paragraphs (split at blank lines)."""
     if name == DEFAULT_CORPUS:
         try:
             from pydoc_data.topics import topics
@@ -82,10 +83,16 @@ def load_corpus(name: str = DEFAULT_CORPUS) -> str:
                 "this Python lacks pydoc_data (some Linux distributions ship it separately, e.g. in "
                 "libpython3-stdlib); install it, or use load_corpus('tiny-shakespeare') when online"
             ) from err
-        return "\n\n".join(topics[key] for key in sorted(topics))
+        return [topics[key] for key in sorted(topics)]
     if name in REMOTE_CORPORA:
-        return fetch(REMOTE_CORPORA[name]).read_text(encoding="utf-8")
+        return fetch(REMOTE_CORPORA[name]).read_text(encoding="utf-8").split("\n\n")
     raise ValueError(f"unknown corpus {name!r}; valid corpora: {', '.join(CORPORA)}")
+
+
+def load_corpus(name: str = DEFAULT_CORPUS) -> str:
+    """The text of a corpus: "python-docs" (offline, default) or a downloadable one; documents are separated by a
+    blank line."""
+    return "\n\n".join(load_documents(name))
 
 
 def train_val_split(ids: torch.Tensor, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +101,29 @@ def train_val_split(ids: torch.Tensor, val_fraction: float = 0.1) -> tuple[torch
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     cut = int(len(ids) * (1.0 - val_fraction))
     return ids[:cut], ids[cut:]
+
+
+def document_split(documents: list[str], val_fraction: float = 0.1, seed: int = 0) -> tuple[list[str], list[str]]:
+    """Whole documents for validation, drawn in a seeded random order while they fit in `val_fraction` of the
+    characters; the rest, in their order, for training.
+
+    Holding out whole documents from all over the corpus, rather than its last part, makes the validation text as
+    varied as the training text, and no document is seen in both."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if len(documents) < 2:
+        raise ValueError(f"a document split needs at least 2 documents, got {len(documents)}; use train_val_split")
+    budget = val_fraction * sum(len(doc) for doc in documents)
+    order = torch.randperm(len(documents), generator=torch.Generator().manual_seed(seed)).tolist()
+    held, used = set(), 0
+    for i in order:
+        if used + len(documents[i]) <= budget:
+            held.add(i)
+            used += len(documents[i])
+    if not held:
+        raise ValueError(f"no document fits in {val_fraction:.0%} of the corpus; raise val_fraction")
+    train = [doc for i, doc in enumerate(documents) if i not in held]
+    return train, [documents[i] for i in sorted(held)]
 
 
 class NextTokenDataset(Dataset):
