@@ -136,7 +136,7 @@ def workloads(notebook: str, p: dict, caps) -> list[tuple[str, int]]:
         return [(preset, training_step_plan(GPTConfig.from_preset(preset, dropout=0.0), p["BENCH_BATCH"],
                                             p["BENCH_SEQ"], autocast=low).peak_bytes) for preset in p["BENCH_PRESETS"]]
     if notebook == "ch05_training/01_pretraining.ipynb":  # the step by hand beside the Trainer's model (fp32)
-        config = small_width(p)
+        config = small_width(p, p["VOCAB"])
         return [("step by hand", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"]).peak_bytes
                  + 4 * n_params(config)),
                 ("pretraining", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"], autocast=low).peak_bytes)]
@@ -237,8 +237,8 @@ def test_the_long_training_notebooks_fit_ten_minutes_on_a_t4_by_estimate():
     lr = p["ch05_training/05_lr_schedules.ipynb"]
     runs_lr = 2 + 2 + len(lr["SWEEP_LRS"]) * len(lr["SWEEP_WARMUPS"]) * len(lr["SEEDS"])  # sections 2-4
     estimates = {
-        "pretraining": training_seconds_on_a_t4(small_width(pre), pre["STEPS"] * pre["BATCH_SIZE"] * pre["CONTEXT"],
-                                                low),
+        "pretraining": training_seconds_on_a_t4(small_width(pre, pre["VOCAB"]),
+                                                pre["STEPS"] * pre["BATCH_SIZE"] * pre["CONTEXT"], low),
         "accumulation": training_seconds_on_a_t4(small_width(acc), 2 * acc["TRAIN_STEPS"] * acc["EFFECTIVE_BATCH"]
                                                  * acc["CONTEXT"], None),
         "mixed precision": sum(training_seconds_on_a_t4(small_width(mix, mix["VOCAB"]), mix["STEPS"]

@@ -267,7 +267,7 @@ class Trainer:
         if self.tokenizer is None:
             raise ValueError("sampling needs a tokenizer: pass tokenizer=helpers.get_tokenizer() to the Trainer")
         prompt = self.config.sample_prompt if prompt is None else prompt
-        ids = torch.tensor([self.tokenizer.encode_ordinary(prompt)], device=self.device)
+        ids = torch.tensor([self.tokenizer.encode(prompt)], device=self.device)
         generator = torch.Generator(self.device).manual_seed(self.config.seed)
         with self.precision.autocast():
             out = self.model.generate(ids, max_new_tokens or self.config.sample_tokens, temperature=temperature,
@@ -351,9 +351,13 @@ def plot_history(history: dict, ax=None, label: str = "", lr_axis: bool = True):
         ax.plot(history["val_step"], history["val_loss"], "o-", color=line.get_color(), label=f"{prefix}val")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy loss (nats/token)")
+    handles, labels = ax.get_legend_handles_labels()  # lines drawn on ax before (a baseline) are kept
+    top = ax
     if lr_axis:
-        lr_ax = ax.twinx()
-        lr_ax.plot(history["step"], history["lr"], color="grey", linestyle=":", label="learning rate")
-        lr_ax.set_ylabel("learning rate")
-    ax.legend(loc="upper right")
+        top = ax.twinx()
+        top.plot(history["step"], history["lr"], color="grey", linestyle=":", label="learning rate")
+        top.set_ylabel("learning rate")
+        more_handles, more_labels = top.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    top.legend(handles, labels, loc="upper right")  # on the top axis, so no line is drawn over it
     return ax
