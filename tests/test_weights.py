@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from helpers import GPT, GPTConfig
-from helpers.model import hf_gpt2 as weights
+from helpers.model import hub
 from helpers.model.hf_gpt2 import (
     WeightsError,
     WeightsUnavailable,
@@ -222,6 +222,6 @@ def test_download_fails_fast_when_the_hub_is_unreachable(tmp_path, monkeypatch):
 
 def test_download_respects_hf_hub_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(weights, "hub_reachable", lambda *a: pytest.fail("probed the network while offline"))
+    monkeypatch.setattr(hub, "hub_reachable", lambda *a: pytest.fail("probed the network while offline"))
     with pytest.raises(WeightsUnavailable, match="HF_HUB_OFFLINE is set"):
         download_gpt2(cache_dir=tmp_path)

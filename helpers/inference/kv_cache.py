@@ -22,12 +22,14 @@ from ..model.gpt import GPT
 
 
 def kv_cache_bytes_per_token(config: GPTConfig, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes one token adds to the cache: a key and a value of d_model numbers in each layer."""
-    return 2 * config.n_layers * config.d_model * torch.empty((), dtype=dtype).element_size()
+    """Bytes one token adds to the cache: a key and a value per key/value head (n_kv_heads x head_dim numbers; d_model
+    for GPT-2) in each layer. Grouped-query attention shrinks it by n_heads / n_kv_heads."""
+    width = config.kv_heads * config.head_dim
+    return 2 * config.n_layers * width * torch.empty((), dtype=dtype).element_size()
 
 
 class KVCache:
-    """Pre-allocated keys and values for `max_len` positions, one (batch, heads, max_len, head_dim) pair per layer.
+    """Pre-allocated keys and values for `max_len` positions, one (batch, kv_heads, max_len, head_dim) pair per layer.
 
     Allocating once and writing in place avoids re-copying the whole cache at every step, as `torch.cat` would.
     `length` counts the positions filled so far; the prompts of a batch have equal lengths.
@@ -48,7 +50,7 @@ class KVCache:
                 f"max_len {max_len} exceeds the context length {config.context_length}: the position "
                 "embeddings stop there"
             )
-        shape = (batch, config.n_heads, max_len, config.head_dim)
+        shape = (batch, config.kv_heads, max_len, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.batch, self.max_len, self.length = batch, max_len, 0
@@ -127,7 +129,7 @@ def generate_with_cache(
     was_training = model.training
     model.eval()
     try:
-        dtype = model.pos_emb.weight.dtype  # the activations' dtype (quantization leaves this embedding alone)
+        dtype = model.ln_f.weight.dtype  # the activations' dtype (quantization leaves the norms alone)
         cache = KVCache(model.config, idx.size(0), cached, dtype, idx.device)
         last = torch.tensor([-1], device=idx.device)
         logits = model(idx, cache=cache, logits_at=last)[:, -1]  # prefill

@@ -132,7 +132,7 @@ class Engine:
             raise ValueError(f"max_step_tokens must be a positive integer, got {max_step_tokens!r}")
         self.model, self.max_batch, self.scheduling = model, max_batch, scheduling
         param = next(model.parameters())
-        self.cache = PagedKVCache(model.config.n_layers, model.config.n_heads, model.config.head_dim, num_blocks,
+        self.cache = PagedKVCache(model.config.n_layers, model.config.kv_heads, model.config.head_dim, num_blocks,
                                   block_size, dtype=param.dtype, device=param.device)
         self.scheduler = SCHEDULERS[scheduling](self.cache, max_batch, self.max_step_tokens)
         self._pending: dict[Hashable, Sequence] = {}  # submitted and not yet returned by `run`

@@ -1,8 +1,9 @@
 """FLOPs of a GPT counted three ways and reconciled: by hand, by fvcore and by PyTorch's FlopCounterMode.
 
 Conventions, as in the papers (Kaplan et al. 2020, PaLM's MFU): 2 FLOPs per multiply-add, and only matrix
-multiplications count. Elementwise work (LayerNorm, GELU, softmax, residual adds) is O(d) per token against the
-matmuls' O(d²); it costs memory traffic, not FLOPs worth counting (the roofline below shows where it sits).
+multiplications count. Elementwise work (LayerNorm or RMSNorm, GELU or SiLU, RoPE's rotation, softmax, residual
+adds) is O(d) per token against the matmuls' O(d²); it costs memory traffic, not FLOPs worth counting (the roofline
+below shows where it sits).
 
 * `forward_flops` / `training_step_flops`: by hand, split by matmul;
 * `count_with_fvcore` / `count_with_flop_counter`: fvcore's `FlopCountAnalysis` (1 FLOP per multiply-add, skips
@@ -35,7 +36,9 @@ from ..model.gpt import GPT, swiglu_hidden_dim
 
 
 def ffn_hidden_dim(config: GPTConfig) -> int:
-    """Width of the feed-forward's hidden layer: 4d for GPT-2's GELU MLP, about 8d/3 for SwiGLU."""
+    """Width of the feed-forward's hidden layer: 4d for GPT-2's GELU MLP, about 8d/3 for SwiGLU, unless set."""
+    if config.ffn_hidden is not None:
+        return config.ffn_hidden
     return 4 * config.d_model if config.ffn_type == "gelu" else swiglu_hidden_dim(config.d_model)
 
 
@@ -96,16 +99,19 @@ def forward_flops(config: GPTConfig, batch: int, seq: int) -> ForwardFlops:
     hidden = ffn_hidden_dim(config)
     mlp_per_token = 2 * d * hidden * (2 if config.ffn_type == "gelu" else 3)
     pairs, causal_pairs = seq * seq, seq * (seq + 1) // 2  # (query, key) pairs per sequence
+    q_width = config.n_heads * config.head_dim  # d for GPT-2
+    kv_width = config.kv_heads * config.head_dim  # narrower with grouped-query attention
     return ForwardFlops(
         batch=batch,
         seq=seq,
-        qkv=layers * tokens * 2 * d * 3 * d,
-        attn_out=layers * tokens * 2 * d * d,
+        qkv=layers * tokens * 2 * d * (q_width + 2 * kv_width),
+        attn_out=layers * tokens * 2 * q_width * d,
         mlp=layers * tokens * mlp_per_token,
-        attention_scores=layers * batch * 2 * pairs * d,  # every head: 2·T·T·head_dim, and heads·head_dim = d
-        attention_values=layers * batch * 2 * pairs * d,
-        attention_scores_causal=layers * batch * 2 * causal_pairs * d,
-        attention_values_causal=layers * batch * 2 * causal_pairs * d,
+        # every query head: 2·T·T·head_dim, whichever key/value head it shares (GQA saves no attention FLOPs)
+        attention_scores=layers * batch * 2 * pairs * q_width,
+        attention_values=layers * batch * 2 * pairs * q_width,
+        attention_scores_causal=layers * batch * 2 * causal_pairs * q_width,
+        attention_values_causal=layers * batch * 2 * causal_pairs * q_width,
         lm_head=tokens * 2 * d * config.vocab_size,
     )
 
@@ -178,7 +184,8 @@ FVCORE_MISSED = {"aten::scaled_dot_product_attention": _fvcore_sdpa_macs}
 
 
 # fvcore's LayerNorm/BatchNorm estimates (5 "FLOPs" per element) are not multiply-adds: counted 0, as elsewhere.
-FVCORE_NON_MATMUL = ("aten::layer_norm", "aten::group_norm", "aten::batch_norm", "aten::instance_norm")
+FVCORE_NON_MATMUL = ("aten::layer_norm", "aten::group_norm", "aten::batch_norm", "aten::instance_norm",
+                     "aten::rms_norm")
 
 
 def _fvcore_analysis(model: nn.Module, inputs: torch.Tensor):

@@ -29,12 +29,33 @@ from torch import nn
 
 from ..system.device import dtype_name
 from ..system.optional import require, version_of
+from .rope import apply_rope
 
 # ---- kernels: q (batch, heads, seq_q, head_dim), k and v (batch, heads, seq_k, head_dim) -> like q ----
 #
 # Every kernel computes causal attention over a square score matrix (training, a whole prompt). The masked ones
 # (eager, sdpa, sdpa_mask) also take `attn_mask` (True = may attend, broadcast to (batch, heads, seq_q, seq_k))
 # with `is_causal=False`: what attention over a KV cache needs (new queries against every cached key).
+
+
+def kv_groups(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Query heads per key/value head: 1 for multi-head attention, more for grouped-query attention (GQA).
+
+    Under torch.jit.trace (fvcore counts FLOPs that way) sizes are traced tensors; head counts are constants of the
+    model, so reading them as numbers is exact, and the tracer's warning that it might not be is silenced.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return int(q.size(1)) // int(k.size(1))
+
+
+def repeat_kv(k: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query attention by copying: each of k's heads repeated for the `groups` query heads it serves.
+
+    Query head h reads key/value head h // groups (the layout of LLaMA's `repeat_kv`). The copy costs memory
+    traffic; kernels that index the shared head instead (SDPA's enable_gqa, flash-attn) skip it.
+    """
+    return k if groups == 1 else k.repeat_interleave(groups, dim=1)
 
 
 def _future_mask(seq: int, device: torch.device) -> torch.Tensor:
@@ -45,6 +66,8 @@ def _future_mask(seq: int, device: torch.device) -> torch.Tensor:
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                     attn_mask: torch.Tensor | None = None, is_causal: bool = True) -> torch.Tensor:
     """Textbook attention: materialises the (seq x seq) score matrix, so memory grows as T^2."""
+    groups = kv_groups(q, k)
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
     if is_causal:
         scores = scores.masked_fill(_future_mask(q.size(-2), q.device), float("-inf"))
@@ -58,8 +81,10 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                    attn_mask: torch.Tensor | None = None, is_causal: bool = True) -> torch.Tensor:
-    """PyTorch's fused kernel; `is_causal=True` (no explicit mask) lets it pick FlashAttention."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+    """PyTorch's fused kernel; `is_causal=True` (no explicit mask) lets it pick FlashAttention. Fewer key/value heads
+    than query heads (GQA) are shared in the kernel (`enable_gqa`), not copied."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          enable_gqa=kv_groups(q, k) > 1)
 
 
 def sdpa_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
@@ -71,7 +96,8 @@ def sdpa_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dro
     """
     if is_causal:
         attn_mask = ~_future_mask(q.size(-2), q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          enable_gqa=kv_groups(q, k) > 1)
 
 
 def _causal(batch, head, q_idx, kv_idx):
@@ -92,15 +118,15 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
 
     if torch.compiler.is_compiling():  # traced into the graph; the eager cache below is for eager calls
         block_mask = create_block_mask(_causal, None, None, q.size(-2), q.size(-2), device=q.device)
-        return flex(q, k, v, block_mask=block_mask)
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=kv_groups(q, k) > 1)
     block_mask = _causal_block_mask(q.size(-2), str(q.device))
     with warnings.catch_warnings():  # eager flex warns that it is unfused; the gallery says so
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex(q, k, v, block_mask=block_mask)
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=kv_groups(q, k) > 1)
 
 
 def flash_attn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-    """flash-attn's FlashAttention-2; it wants (batch, seq, heads, head_dim)."""
+    """flash-attn's FlashAttention-2; it wants (batch, seq, heads, head_dim) and shares GQA's key/value heads."""
     flash_attn = require("flash_attn", "attn_implementation='flash_attention_2'")
     out = flash_attn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                      dropout_p=dropout_p, causal=True)
@@ -110,36 +136,32 @@ def flash_attn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop
 def flash_torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
     from .flash_torch import flash_attention_torch
 
-    return flash_attention_torch(q, k, v, causal=True)
+    groups = kv_groups(q, k)
+    return flash_attention_torch(q, repeat_kv(k, groups), repeat_kv(v, groups), causal=True)
 
 
 def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
     from .flash_triton import flash_attention_triton
 
-    return flash_attention_triton(q, k, v, causal=True)
+    groups = kv_groups(q, k)
+    return flash_attention_triton(q, repeat_kv(k, groups), repeat_kv(v, groups), causal=True)
 
 
-# ---- forwards: (module, x, dropout_p) -> output (batch, seq, d_model) ----
+# ---- layouts written out by hand: (module, x, dropout_p) -> output (batch, seq, d_model) ----
+#
+# They compute GPT-2's attention from the weight matrices themselves, to show where the heads live in them; the
+# kernels above run behind the module's own projection (`CausalSelfAttention.project`), which also does GQA, RoPE
+# and QK-norm.
 
 
-def _split_heads(m: CausalSelfAttention, t: torch.Tensor) -> torch.Tensor:
+def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     batch, seq, _ = t.shape
-    return t.view(batch, seq, m.n_heads, m.head_dim).transpose(1, 2)
+    return t.view(batch, seq, heads, -1).transpose(1, 2)
 
 
 def _merge_heads(m: CausalSelfAttention, y: torch.Tensor) -> torch.Tensor:
-    batch, _, seq, _ = y.shape
-    return m.out_proj(y.transpose(1, 2).reshape(batch, seq, m.d_model))
-
-
-def _kernel_forward(kernel: Callable) -> Callable:
-    """One fused QKV matmul, split into heads, the kernel, heads merged, output projection."""
-
-    def forward(m: CausalSelfAttention, x: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        q, k, v = (_split_heads(m, t) for t in m.qkv(x).split(m.d_model, dim=-1))
-        return _merge_heads(m, kernel(q, k, v, dropout_p=dropout_p))
-
-    return forward
+    batch, heads, seq, head_dim = y.shape
+    return m.out_proj(y.transpose(1, 2).reshape(batch, seq, heads * head_dim))
 
 
 def _qkv_weights(m: CausalSelfAttention, part: int, rows: slice = slice(None)):
@@ -162,7 +184,7 @@ def _wrapper_forward(m: CausalSelfAttention, x: torch.Tensor, dropout_p: float) 
 
 def _stacked_forward(m: CausalSelfAttention, x: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """Separate Q, K, V projections (three matmuls), each holding every head's rows stacked."""
-    q, k, v = (_split_heads(m, F.linear(x, *_qkv_weights(m, part))) for part in range(3))
+    q, k, v = (_split_heads(F.linear(x, *_qkv_weights(m, part)), m.n_heads) for part in range(3))
     return _merge_heads(m, eager_attention(q, k, v, dropout_p))
 
 
@@ -199,35 +221,38 @@ def _nn_mha_forward(m: CausalSelfAttention, x: torch.Tensor, dropout_p: float) -
 
 @dataclass(frozen=True)
 class AttentionImplementation:
+    """Either a layout (computes GPT-2's attention from the weights itself) or a kernel (q, k, v -> output) that runs
+    behind the module's own projection; `masked`: the kernel takes an explicit mask, which attention over a KV cache
+    (new queries against every cached key) needs."""
+
     name: str
     description: str
-    forward: Callable[[CausalSelfAttention, torch.Tensor, float], torch.Tensor]
-    supports_dropout: bool = True
-    # The kernel `forward` applies to the module's own QKV projection (None for the layouts that compute their
-    # projections from the weight matrices themselves), and whether it takes an explicit mask: attention over a KV
-    # cache, where new queries see every cached key, needs one.
+    layout: Callable[[CausalSelfAttention, torch.Tensor, float], torch.Tensor] | None = None
     kernel: Callable[..., torch.Tensor] | None = None
+    supports_dropout: bool = True
     masked: bool = False
 
 
 def _kernel_implementation(name: str, description: str, kernel: Callable[..., torch.Tensor],
                            supports_dropout: bool = True, masked: bool = False) -> AttentionImplementation:
-    return AttentionImplementation(name, description, _kernel_forward(kernel), supports_dropout, kernel, masked)
+    return AttentionImplementation(name, description, kernel=kernel, supports_dropout=supports_dropout, masked=masked)
 
 
 IMPLEMENTATIONS: dict[str, AttentionImplementation] = {
     impl.name: impl
     for impl in (
-        AttentionImplementation("wrapper", "single-head causal attentions in a loop, concatenated", _wrapper_forward),
-        AttentionImplementation("stacked", "separate Q, K, V projections; heads via view/transpose", _stacked_forward),
+        AttentionImplementation("wrapper", "single-head causal attentions in a loop, concatenated",
+                                layout=_wrapper_forward),
+        AttentionImplementation("stacked", "separate Q, K, V projections; heads via view/transpose",
+                                layout=_stacked_forward),
         _kernel_implementation("eager", "fused QKV projection (GPT-2's c_attn), explicit softmax(QK^T)V",
                                eager_attention, masked=True),
-        AttentionImplementation("einsum", "every contraction as torch.einsum", _einsum_forward),
+        AttentionImplementation("einsum", "every contraction as torch.einsum", layout=_einsum_forward),
         _kernel_implementation("sdpa", "F.scaled_dot_product_attention(is_causal=True)", sdpa_attention,
                                masked=True),
         _kernel_implementation("sdpa_mask", "F.scaled_dot_product_attention with an explicit boolean mask",
                                sdpa_masked_attention, masked=True),
-        AttentionImplementation("nn_mha", "torch.nn.MultiheadAttention(need_weights=False)", _nn_mha_forward),
+        AttentionImplementation("nn_mha", "torch.nn.MultiheadAttention(need_weights=False)", layout=_nn_mha_forward),
         _kernel_implementation("flex_attention", "FlexAttention with a causal block mask (fused when compiled)",
                                flex_attention, supports_dropout=False),
         _kernel_implementation("flash_attention_2", "flash-attn's flash_attn_func (CUDA, fp16/bf16)",
@@ -256,11 +281,17 @@ def unavailable_reason(
     dropout: float = 0.0,
     cached: bool = False,
     sharded: bool = False,
+    modern: bool = False,
 ) -> str | None:
     """Why `name` cannot run in this setting, or None when it can. `cached`: attention over a KV cache; `sharded`:
-    in a tensor-parallel model, whose projection layers are swapped for sharded ones."""
+    in a tensor-parallel model, whose projection layers are swapped for sharded ones; `modern`: attention with GQA,
+    RoPE, QK-norm or a head width other than d_model / n_heads (chapter 8)."""
     impl = IMPLEMENTATIONS[check_attn_implementation(name)]
     device = torch.device(device)
+    if modern and impl.kernel is None:
+        kernels = ", ".join(n for n, i in IMPLEMENTATIONS.items() if i.kernel is not None)
+        return (f"{name} writes out GPT-2's attention from the weight matrices, without GQA, RoPE or QK-norm: use "
+                f"one of {kernels}")
     if sharded and impl.kernel is None:
         kernels = ", ".join(n for n, i in IMPLEMENTATIONS.items() if i.kernel is not None)
         return (f"{name} computes its projections from the full weight matrices itself, but tensor parallelism "
@@ -311,7 +342,12 @@ class KVCacheView(Protocol):
 
 
 class CausalSelfAttention(nn.Module):
-    """GPT-2 attention: a fused QKV projection, attention over all heads, an output projection."""
+    """Causal self-attention: a fused QKV projection, attention over all heads, an output projection.
+
+    GPT-2's by default. `n_kv_heads` < n_heads shares each key/value head among a group of query heads (GQA; MQA at
+    1), `head_dim` sets the per-head width apart from d_model (Qwen3), `qk_norm` RMS-normalises each head's queries
+    and keys; RoPE's angles arrive with the input (`forward`'s `rope`), since the positions are the model's.
+    """
 
     def __init__(
         self,
@@ -322,22 +358,52 @@ class CausalSelfAttention(nn.Module):
         attn_implementation: str = "sdpa",
         d_in: int | None = None,
         layer_idx: int = 0,
+        *,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # which layer's keys and values this module reads and writes in a KV cache
-        if d_model % n_heads:
+        if head_dim is None and d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        n_kv_heads = n_kv_heads or n_heads
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_kv_heads ({n_kv_heads}) must divide n_heads ({n_heads})")
         self.d_in = d_model if d_in is None else d_in  # input width; a transformer block keeps d_model
-        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
+        self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
+        self.head_dim = head_dim or d_model // n_heads
         self.attn_dropout = dropout  # on the attention weights, inside the implementation
         self.attn_implementation = check_attn_implementation(attn_implementation)
-        self.qkv = nn.Linear(self.d_in, 3 * d_model, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.qkv = nn.Linear(self.d_in, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias)
+        self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, cache: KVCacheView | None = None) -> torch.Tensor:
+    @property
+    def is_gpt2(self) -> bool:
+        """GPT-2's attention: as many key/value heads as queries, d_model / n_heads wide, no QK-norm."""
+        return self.n_kv_heads == self.n_heads and self.n_heads * self.head_dim == self.d_model and self.q_norm is None
+
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """x (batch, seq, d_in) -> q (batch, n_heads, seq, head_dim), k and v (batch, n_kv_heads, seq, head_dim):
+        one fused matmul, split into heads, QK-norm and RoPE's rotation (cos, sin) applied when configured."""
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_width, kv_width, kv_width], dim=-1)
+        q, k, v = _split_heads(q, self.n_heads), _split_heads(k, self.n_kv_heads), _split_heads(v, self.n_kv_heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cache: KVCacheView | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x (batch, seq, d_in) -> (batch, seq, d_model). With a `cache`, the new keys and values are stored in it and
-        the queries attend over everything it holds (`cache.attend`), through this module's kernel."""
+        the queries attend over everything it holds (`cache.attend`), through this module's kernel. `rope`: the cos
+        and sin of the input's positions (`helpers.model.rope.rope_angles`), for RoPE models."""
         name = self.attn_implementation
         dropout_p = self.attn_dropout if self.training else 0.0
         backward = torch.is_grad_enabled() and (x.requires_grad or self.qkv.weight.requires_grad)
@@ -345,11 +411,15 @@ class CausalSelfAttention(nn.Module):
         autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
         reason = unavailable_reason(name, x.device, dtype, self.d_in, self.d_model, backward, dropout_p,
-                                    cached=cache is not None)
+                                    cached=cache is not None, modern=rope is not None or not self.is_gpt2)
         if reason is not None:
             raise RuntimeError(f"attn_implementation={name!r} cannot run here: {reason}")
         impl = IMPLEMENTATIONS[name]
+        if impl.layout is not None:
+            return self.resid_dropout(impl.layout(self, x, dropout_p))
+        q, k, v = self.project(x, rope)
         if cache is None:
-            return self.resid_dropout(impl.forward(self, x, dropout_p))
-        q, k, v = (_split_heads(self, t) for t in self.qkv(x).split(self.d_model, dim=-1))
-        return self.resid_dropout(_merge_heads(self, cache.attend(self.layer_idx, q, k, v, impl.kernel)))
+            y = impl.kernel(q, k, v, dropout_p=dropout_p)
+        else:
+            y = cache.attend(self.layer_idx, q, k, v, impl.kernel)
+        return self.resid_dropout(_merge_heads(self, y))

@@ -7,11 +7,16 @@ from dataclasses import dataclass
 
 GPT2_VOCAB_SIZE = 50257
 FFN_TYPES = ("gelu", "swiglu")  # GPT-2's GELU MLP; the gated SiLU unit of PaLM and LLaMA
+NORMS = ("layernorm", "rmsnorm")  # GPT-2's LayerNorm; LLaMA's RMSNorm (no mean, no bias)
+POSITION_ENCODINGS = ("learned", "rope")  # GPT-2's learned absolute table; rotary embeddings (RoFormer, LLaMA)
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Architecture of a GPT-2-style model. Runtime choices (attention kernel, dtype) live elsewhere."""
+    """Architecture of a decoder-only transformer. The defaults are GPT-2; every modern option is off by default.
+
+    Runtime choices (attention kernel, dtype) live elsewhere.
+    """
 
     vocab_size: int = GPT2_VOCAB_SIZE
     context_length: int = 1024
@@ -22,25 +27,55 @@ class GPTConfig:
     bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
     tie_weights: bool = True  # LM head shares the token-embedding matrix, as in GPT-2
     ffn_type: str = "gelu"  # feed-forward: "gelu" (GPT-2) or "swiglu" (same parameter count, gated)
+    # ---- the changes from GPT-2 to LLaMA-style decoders (ch08) ----
+    norm: str = "layernorm"  # "layernorm" (GPT-2) or "rmsnorm" (LLaMA, Qwen, Gemma)
+    norm_eps: float = 1e-5
+    position_encoding: str = "learned"  # "learned" (GPT-2's table) or "rope" (rotate queries and keys)
+    rope_theta: float = 10000.0  # RoPE's base: frequencies theta^(-2i/head_dim)
+    n_kv_heads: int | None = None  # key/value heads: None = n_heads (MHA), fewer = GQA, 1 = MQA
+    head_size: int | None = None  # per-head width when it is not d_model / n_heads (Qwen3: 128 at any width)
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys before RoPE (Qwen3, Gemma 3)
+    ffn_hidden: int | None = None  # feed-forward hidden width: None = 4d (GELU) or ~8d/3 (SwiGLU)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_heads", "n_layers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
-        if self.d_model % self.n_heads:
+            _check_positive(name, getattr(self, name))
+        for name in ("n_kv_heads", "head_size", "ffn_hidden"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if self.head_size is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"GPTConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}); "
-                f"try n_heads in {[h for h in range(1, 65) if self.d_model % h == 0]}"
+                f"try n_heads in {[h for h in range(1, 65) if self.d_model % h == 0]}, or set head_size"
             )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"GPTConfig.n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads}): each "
+                             "key/value head serves a group of query heads")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.ffn_type not in FFN_TYPES:
-            raise ValueError(f"unknown GPTConfig.ffn_type {self.ffn_type!r}; valid types: {', '.join(FFN_TYPES)}")
+        for name, valid in (("ffn_type", FFN_TYPES), ("norm", NORMS), ("position_encoding", POSITION_ENCODINGS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"unknown GPTConfig.{name} {getattr(self, name)!r}; valid types: {', '.join(valid)}")
+        if not self.norm_eps > 0 or not self.rope_theta > 0:
+            raise ValueError(f"GPTConfig.norm_eps and rope_theta must be positive, got {self.norm_eps!r} and "
+                             f"{self.rope_theta!r}")
+        if self.position_encoding == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE rotates pairs of dimensions, so head_dim must be even, got {self.head_dim}")
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_heads (multi-head attention) unless n_kv_heads says fewer."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def is_gpt2(self) -> bool:
+        """Whether the architecture is GPT-2's (sizes aside): no modern option is on."""
+        return (self.norm, self.position_encoding, self.kv_heads, self.head_dim, self.qk_norm, self.ffn_hidden) == (
+            "layernorm", "learned", self.n_heads, self.d_model // self.n_heads, False, None)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> GPTConfig:
@@ -49,6 +84,14 @@ class GPTConfig:
             raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
 
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+
+
+# What makes a GPT-2-sized model LLaMA-style: the five changes of chapter 8 (no biases, an untied head).
+LLAMA_STYLE = dict(norm="rmsnorm", position_encoding="rope", ffn_type="swiglu", bias=False, tie_weights=False)
 
 PRESETS: dict[str, GPTConfig] = {
     # The four GPT-2 sizes (Radford et al. 2019), context 1024, vocabulary 50257.
@@ -60,4 +103,9 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt-cpu": GPTConfig(context_length=256, d_model=384, n_heads=6, n_layers=6, dropout=0.0),
     # Smoke scale for CI: seconds on 2 CPU cores.
     "gpt-smoke": GPTConfig(context_length=64, d_model=128, n_heads=4, n_layers=2, dropout=0.0),
+    # gpt-cpu and gpt-smoke made LLaMA-style, with grouped-query attention (3 and 2 query heads per KV head).
+    "llama-cpu": GPTConfig(context_length=256, d_model=384, n_heads=6, n_layers=6, dropout=0.0, n_kv_heads=2,
+                           **LLAMA_STYLE),
+    "llama-smoke": GPTConfig(context_length=64, d_model=128, n_heads=4, n_layers=2, dropout=0.0, n_kv_heads=2,
+                             **LLAMA_STYLE),
 }

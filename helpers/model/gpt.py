@@ -1,4 +1,8 @@
-"""GPT-2 in one screen: embeddings, pre-LayerNorm transformer blocks, tied LM head, generation."""
+"""GPT-2 in one screen: embeddings, pre-LayerNorm transformer blocks, tied LM head, generation.
+
+The same classes build the LLaMA-style decoders of chapter 8 (`GPTConfig`'s modern options): RMSNorm for LayerNorm,
+RoPE for the position table, grouped-query attention, SwiGLU, no biases, QK-norm, an untied head.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from torch import nn
 from .attention import CausalSelfAttention, KVCacheView, check_attn_implementation
 from .config import GPTConfig
 from .decoding import Sampling, check_decoding, check_prompt, check_token_ids
+from .rope import rope_angles
 
 
 class FeedForward(nn.Module):
@@ -18,9 +23,10 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.d_model, 4 * config.d_model, bias=config.bias)
+        hidden = config.ffn_hidden or 4 * config.d_model
+        self.fc = nn.Linear(config.d_model, hidden, bias=config.bias)
         self.act = nn.GELU(approximate="tanh")
-        self.proj = nn.Linear(4 * config.d_model, config.d_model, bias=config.bias)
+        self.proj = nn.Linear(hidden, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,12 +53,13 @@ class SwiGLUFeedForward(nn.Module):
     """Gated feed-forward (Shazeer 2020; PaLM, LLaMA): proj(silu(x·W_gate) * (x·W_up)), d -> ~8d/3 -> d.
 
     Three weight matrices instead of two, so the hidden width shrinks from 4d to about 8d/3 and the parameter
-    count and FLOPs stay those of GPT-2's MLP. `fc` holds the gate and up projections stacked (one matmul).
+    count and FLOPs stay those of GPT-2's MLP (unless `ffn_hidden` sets the width, as real checkpoints do). `fc`
+    holds the gate and up projections stacked (one matmul).
     """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        hidden = swiglu_hidden_dim(config.d_model)
+        hidden = config.ffn_hidden or swiglu_hidden_dim(config.d_model)
         self.fc = nn.Linear(config.d_model, 2 * hidden, bias=config.bias)
         self.proj = nn.Linear(hidden, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
@@ -65,36 +72,48 @@ class SwiGLUFeedForward(nn.Module):
 FEED_FORWARDS = {"gelu": FeedForward, "swiglu": SwiGLUFeedForward}  # by GPTConfig.ffn_type
 
 
+def norm_layer(config: GPTConfig) -> nn.Module:
+    """GPT-2's LayerNorm (subtract the mean, divide by the standard deviation, scale and shift) or RMSNorm (divide by
+    the root mean square, scale: one reduction fewer, no bias), over d_model."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+
+
 class TransformerBlock(nn.Module):
-    """Pre-LayerNorm block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: GPTConfig, attn_implementation: str, layer_idx: int = 0) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.ln1 = norm_layer(config)
         self.attn = CausalSelfAttention(
-            config.d_model, config.n_heads, config.dropout, config.bias, attn_implementation, layer_idx=layer_idx
+            config.d_model, config.n_heads, config.dropout, config.bias, attn_implementation, layer_idx=layer_idx,
+            n_kv_heads=config.kv_heads, head_dim=config.head_dim, qk_norm=config.qk_norm, norm_eps=config.norm_eps,
         )
-        self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.ln2 = norm_layer(config)
         self.mlp = FEED_FORWARDS[config.ffn_type](config)
 
-    def forward(self, x: torch.Tensor, cache: KVCacheView | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), cache)
+    def forward(self, x: torch.Tensor, cache: KVCacheView | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache, rope)
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
-    """A GPT-2-architecture language model; `forward` maps token ids to next-token logits."""
+    """A GPT-2-architecture language model (or a LLaMA-style one); `forward` maps token ids to next-token logits."""
 
     def __init__(self, config: GPTConfig, attn_implementation: str = "sdpa") -> None:
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.context_length, config.d_model)
+        # RoPE rotates queries and keys inside attention instead: no position table
+        learned = config.position_encoding == "learned"
+        self.pos_emb = nn.Embedding(config.context_length, config.d_model) if learned else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(config, attn_implementation, layer_idx=i) for i in range(config.n_layers)
         )
-        self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.ln_f = norm_layer(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.tok_emb.weight
@@ -127,7 +146,7 @@ class GPT(nn.Module):
         """Parameter count; a tied LM head is counted once (as GPT-2's 124M is)."""
         n = sum(p.numel() for p in self.parameters())  # parameters() yields shared tensors once
         if exclude_embeddings:
-            n -= self.pos_emb.weight.numel() + self.tok_emb.weight.numel()
+            n -= sum(e.weight.numel() for e in (self.pos_emb, self.tok_emb) if e is not None)
         return n
 
     def forward(self, idx: torch.Tensor, cache: KVCacheView | None = None,
@@ -149,8 +168,12 @@ class GPT(nn.Module):
                              f"{tuple(idx.shape)}")
         else:
             x = idx
+        rope = None
+        if self.config.position_encoding == "rope":
+            pos = self.positions(x.size(1), x.device, cache)
+            rope = rope_angles(pos, self.config.head_dim, self.config.rope_theta)
         for block in self.blocks:
-            x = block(x, cache)
+            x = block(x, cache, rope)
         if cache is not None:
             cache.advance(x.size(1))
         if self.lm_head is None:
@@ -159,8 +182,14 @@ class GPT(nn.Module):
             x = x[:, logits_at]
         return self.lm_head(self.ln_f(x))
 
+    @staticmethod
+    def positions(seq: int, device: torch.device, cache: KVCacheView | None = None) -> torch.Tensor:
+        """Positions of `seq` new tokens: 0 .. seq-1, or the cache's next ones."""
+        return torch.arange(seq, device=device) if cache is None else cache.positions(seq, device)
+
     def embed(self, idx: torch.Tensor, cache: KVCacheView | None = None) -> torch.Tensor:
-        """Token plus position embeddings of `idx` (batch, seq), at the cache's next positions when given."""
+        """Token embeddings of `idx` (batch, seq), plus learned position embeddings (at the cache's next positions
+        when given) unless the model uses RoPE."""
         if idx.dim() != 2:
             raise ValueError(f"expected token ids of shape (batch, seq), got shape {tuple(idx.shape)}")
         seq = idx.size(1)
@@ -172,8 +201,10 @@ class GPT(nn.Module):
         if cache is not None and self.training and self.config.dropout > 0:
             raise ValueError("a KV cache is for inference: call model.eval() first (dropout is on)")
         check_token_ids(idx, self.config.vocab_size)
-        pos = torch.arange(seq, device=idx.device) if cache is None else cache.positions(seq, idx.device)
-        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(self.positions(seq, idx.device, cache))
+        return self.drop(x)
 
     @torch.no_grad()
     def generate(

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from safetensors.torch import save_file
 from ..system.files import atomic_path
 from .config import GPT2_VOCAB_SIZE, PRESETS, GPTConfig
 from .gpt import GPT
+from .hub import download_files
 from .loading import tie_weights
 
 HF_PREFIX = "transformer."
@@ -49,9 +48,14 @@ _TANH_GELU = {"gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
 class WeightsError(ValueError):
     """A file's tensors or config do not fit the model: which tensor, expected against found, and what to do."""
 
-
-class WeightsUnavailable(RuntimeError):
-    """Pretrained weights could not be downloaded (offline, or the Hub unreachable) and are not cached."""
+def check_exported_config(metadata: Mapping[str, str] | None, hf_config: Mapping | None, source: object) -> None:
+    """Refuse a config.json other than the one the weights were exported with (a copy sits in their metadata)."""
+    exported = json.loads((metadata or {}).get(EXPORTED_CONFIG, "{}"))
+    differ = sorted(k for k, v in exported.items() if hf_config is not None and hf_config.get(k) != v)
+    if differ:
+        raise WeightsError(f"{source} is not the config these weights were exported with ({', '.join(differ)} "
+                           "differ): an export into this folder was interrupted or the files come from different "
+                           "models; export the model again")
 
 
 def hf_names(config: GPTConfig) -> dict[str, str]:
@@ -79,6 +83,9 @@ def expected_hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _check_gpt2_architecture(config: GPTConfig) -> None:
+    if not config.is_gpt2:
+        raise WeightsError("GPT-2's layout has LayerNorm, learned positions and multi-head attention; this config "
+                           "has chapter 8's options: save it in the Llama layout (helpers.model.hf_llama)")
     if not config.bias:
         raise WeightsError("GPT-2's layout has biases in every linear and LayerNorm layer; use a config with bias=True")
     if getattr(config, "ffn_type", "gelu") != "gelu":
@@ -198,12 +205,7 @@ def load_hf_gpt2(path: str | os.PathLike, preset: str | GPTConfig | None = None,
     """
     file, hf_config = _locate(path)
     with safe_open(file, framework="pt", device="cpu") as f:
-        exported = json.loads((f.metadata() or {}).get(EXPORTED_CONFIG, "{}"))
-        differ = sorted(k for k, v in exported.items() if hf_config is not None and hf_config.get(k) != v)
-        if differ:
-            raise WeightsError(f"{file.parent / 'config.json'} is not the config these weights were exported with "
-                               f"({', '.join(differ)} differ): an export into this folder was interrupted or the "
-                               "files come from different models; export the model again")
+        check_exported_config(f.metadata(), hf_config, file.parent / "config.json")
         stored = {_strip(k): k for k in f.keys()}
         shapes = {name: tuple(f.get_slice(key).get_shape()) for name, key in stored.items()}
         if n_heads is None and preset is not None:
@@ -263,35 +265,10 @@ def save_hf_gpt2(model: GPT, directory: str | os.PathLike) -> Path:
     return directory
 
 
-def hub_reachable(url: str, timeout: float) -> bool:
-    """Whether the Hub answers at all (any HTTP status) within `timeout`: a quick probe before a long download."""
-    try:
-        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
-    except urllib.error.HTTPError:
-        return True  # the server answered (an error status is the Hub's to explain)
-    except (urllib.error.URLError, OSError):
-        return False
-    return True
-
-
 def download_gpt2(repo_id: str = GPT2_REPOSITORY, cache_dir: str | os.PathLike | None = None,
                   endpoint: str | None = None, timeout: float = 5.0) -> Path:
     """The folder with `model.safetensors` and `config.json` of a GPT-2 on the Hugging Face Hub (cached).
 
-    Offline it fails within `timeout` seconds (the Hub client would otherwise retry for about half a minute),
-    unless the files are already cached; `HF_HUB_OFFLINE=1` skips the network altogether.
+    Offline it fails within `timeout` seconds, unless the files are already cached (`helpers.model.hub`).
     """
-    from huggingface_hub import constants, hf_hub_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    endpoint = endpoint or constants.ENDPOINT
-    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"}
-    online = not offline and hub_reachable(f"{endpoint}/api/models/{repo_id}", timeout)
-    try:
-        files = [hf_hub_download(repo_id, name, cache_dir=cache_dir, endpoint=endpoint, etag_timeout=timeout,
-                                 local_files_only=not online) for name in ("config.json", "model.safetensors")]
-    except LocalEntryNotFoundError as err:
-        why = "HF_HUB_OFFLINE is set" if offline else f"{endpoint} is unreachable"
-        raise WeightsUnavailable(f"{repo_id} is not cached and {why}; connect once (or run "
-                                 f"`hf download {repo_id}`) to cache it") from err
-    return Path(files[-1]).parent
+    return download_files(repo_id, ("config.json", "model.safetensors"), cache_dir, endpoint, timeout)

@@ -137,6 +137,9 @@ def check_tensor_parallel(gpt: GPT, world_size: int) -> None:
     if gpt.config.n_heads % world_size:
         raise ValueError(f"{gpt.config.n_heads} attention heads cannot be split over {world_size} ranks; use a "
                          "tensor-parallel degree that divides n_heads")
+    if gpt.config.kv_heads != gpt.config.n_heads:
+        raise ValueError(f"this split cuts the fused QKV rows into three equal parts, but with grouped-query attention "
+                         f"(n_kv_heads={gpt.config.kv_heads}) K and V are narrower than Q; use n_kv_heads=None")
     if gpt.config.dropout:
         raise ValueError("build the GPT with dropout=0.0 for tensor parallelism (each rank would need the same "
                          "random mask for the replicated parts)")
@@ -163,7 +166,7 @@ def tensor_parallel_gpt(gpt: GPT, rank: int, world_size: int, logs: TPLogs | Non
         mlp.fc = ColumnParallelLinear(mlp.fc, rank, world_size, parts=2 if gated else 1, logs=logs)
         mlp.proj = RowParallelLinear(mlp.proj, rank, world_size, logs=logs)
         attn.n_heads //= world_size
-        attn.d_model //= world_size
+        attn.n_kv_heads //= world_size
     return model
 
 
@@ -184,8 +187,8 @@ def parallelize_gpt(gpt: GPT, mesh) -> dict[str, torch.Tensor]:
 
     ColwiseParallel shards a weight's rows contiguously, which would give rank 0 all of Q and half of K. So the
     fused layers' rows are first permuted into rank order ([Q_0 K_0 V_0 | Q_1 K_1 V_1 ...]), and each attention
-    module is told it now computes n_heads / world heads. Returns the row permutation applied to each fused
-    weight, by parameter name, to map gradients back.
+    module is told it now computes n_heads / world heads (and as many key/value heads). Returns the row permutation
+    applied to each fused weight, by parameter name, to map gradients back.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -205,5 +208,5 @@ def parallelize_gpt(gpt: GPT, mesh) -> dict[str, torch.Tensor]:
         parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(), "attn.out_proj": RowwiseParallel(),
                                          "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
         attn.n_heads //= world
-        attn.d_model //= world
+        attn.n_kv_heads //= world
     return permutations

@@ -1,0 +1,204 @@
+"""LLaMA- and Qwen3-layout weights (Hugging Face's `LlamaForCausalLM`, `Qwen3ForCausalLM`) in and out of
+`helpers.GPT`.
+
+Their files name tensors `model.embed_tokens.weight`, `model.layers.{i}.self_attn.q_proj.weight`, ... and store
+every linear layer as nn.Linear does, (out, in). Three differences from our layout: Q, K and V are three matrices
+(we stack them into one `qkv`), the SwiGLU's gate and up projections are two (we stack them into `fc`), and the
+architecture (heads, key/value heads, RoPE's θ, the norm's ε) comes from config.json, not from the shapes.
+Qwen3 is LLaMA plus QK-norm (`q_norm`, `k_norm`) and a head width set apart from d_model.
+
+Position scaling beyond plain RoPE (Llama 3.1's "llama3" rope type, YaRN), sliding windows and biased projections
+are refused by name: the model would load and then compute something else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..system.files import atomic_path
+from .config import GPTConfig
+from .gpt import GPT, swiglu_hidden_dim
+from .hf_gpt2 import EXPORTED_CONFIG, WeightsError, check_exported_config
+from .loading import tie_weights
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # model_type -> transformers class
+_PREFIX = "model."
+_ATTENTION = ("q_proj", "k_proj", "v_proj")  # stacked, in this order, into our attn.qkv
+_GATED = ("gate_proj", "up_proj")  # stacked into our mlp.fc (gate first, as SwiGLUFeedForward splits it)
+
+
+def hf_groups(config: GPTConfig) -> dict[str, tuple[str, ...]]:
+    """Our parameter names -> the Hugging Face tensors (full names) concatenated along dim 0 to make each."""
+    groups = {"tok_emb.weight": ("model.embed_tokens.weight",), "ln_f.weight": ("model.norm.weight",)}
+    for i in range(config.n_layers):
+        theirs, ours = f"model.layers.{i}.", f"blocks.{i}."
+        groups |= {
+            ours + "ln1.weight": (theirs + "input_layernorm.weight",),
+            ours + "attn.qkv.weight": tuple(f"{theirs}self_attn.{p}.weight" for p in _ATTENTION),
+            ours + "attn.out_proj.weight": (theirs + "self_attn.o_proj.weight",),
+            ours + "ln2.weight": (theirs + "post_attention_layernorm.weight",),
+            ours + "mlp.fc.weight": tuple(f"{theirs}mlp.{p}.weight" for p in _GATED),
+            ours + "mlp.proj.weight": (theirs + "mlp.down_proj.weight",),
+        }
+        if config.qk_norm:
+            groups |= {ours + "attn.q_norm.weight": (theirs + "self_attn.q_norm.weight",),
+                       ours + "attn.k_norm.weight": (theirs + "self_attn.k_norm.weight",)}
+    if not config.tie_weights:
+        groups["lm_head.weight"] = ("lm_head.weight",)
+    return groups
+
+
+def model_type_of(config: GPTConfig) -> str:
+    """"qwen3" for a config with QK-norm, "llama" without; refuses what neither layout holds."""
+    problems = [what for what, bad in (
+        ("RMSNorm (norm='rmsnorm')", config.norm != "rmsnorm"),
+        ("RoPE (position_encoding='rope')", config.position_encoding != "rope"),
+        ("SwiGLU (ffn_type='swiglu')", config.ffn_type != "swiglu"),
+        ("no biases (bias=False)", config.bias),
+    ) if bad]
+    if problems:
+        raise WeightsError(f"the Llama/Qwen3 layout needs {', '.join(problems)}; GPT-2-style models are saved with "
+                           "helpers.model.hf_gpt2")
+    return "qwen3" if config.qk_norm else "llama"
+
+
+def _rope_theta(hf: Mapping, source: str) -> float:
+    """RoPE's θ from either spelling (`rope_parameters` since transformers 5, else `rope_theta`/`rope_scaling`)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise WeightsError(f"{source}: rope_type {kind!r} rescales RoPE's frequencies, which helpers.GPT does not do; "
+                           "use transformers for this model")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def config_from_hf(hf: Mapping, source: str = "config.json") -> GPTConfig:
+    """Our GPTConfig for a Llama or Qwen3 config.json (as a dict); what helpers.GPT cannot compute is refused."""
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise WeightsError(f"{source}: model_type {kind!r} is not one of {', '.join(ARCHITECTURES)}; GPT-2 files load "
+                           "with helpers.model.hf_gpt2")
+    for key, allowed in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                         ("use_sliding_window", False)):
+        if hf.get(key, allowed) != allowed:
+            raise WeightsError(f"{source}: {key}={hf[key]!r}, but helpers.GPT computes {key}={allowed!r}; use "
+                               "transformers for this model")
+    d_model, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or d_model // heads
+    return GPTConfig(
+        vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"], d_model=d_model, n_heads=heads,
+        n_layers=hf["num_hidden_layers"], dropout=float(hf.get("attention_dropout", 0.0)), bias=False,
+        tie_weights=bool(hf.get("tie_word_embeddings", False)), ffn_type="swiglu", norm="rmsnorm",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), position_encoding="rope", rope_theta=_rope_theta(hf, source),
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_size=None if head_dim * heads == d_model else head_dim, qk_norm=kind == "qwen3",
+        ffn_hidden=hf["intermediate_size"],
+    )
+
+
+def hf_config_dict(config: GPTConfig) -> dict:
+    """A config.json that transformers reads as the same Llama or Qwen3 model."""
+    kind = model_type_of(config)
+    return dict(
+        model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=config.vocab_size,
+        hidden_size=config.d_model, intermediate_size=config.ffn_hidden or swiglu_hidden_dim(config.d_model),
+        num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads, num_key_value_heads=config.kv_heads,
+        head_dim=config.head_dim, max_position_embeddings=config.context_length, rms_norm_eps=config.norm_eps,
+        rope_theta=config.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        hidden_act="silu", attention_bias=False, mlp_bias=False, attention_dropout=config.dropout,
+        tie_word_embeddings=config.tie_weights,
+    )
+
+
+def _files(path: Path) -> tuple[list[Path], Path]:
+    """The safetensors file(s) of a checkpoint folder (one file, or shards listed by model.safetensors.index.json)
+    and its config.json."""
+    if not path.is_dir():
+        raise WeightsError(f"{path} is not a folder; give the folder with config.json and model.safetensors")
+    config = path / "config.json"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = [path / "model.safetensors"]
+    for file in (config, *files):
+        if not file.is_file():
+            raise WeightsError(f"{path} has no {file.name}; download the checkpoint's config.json and safetensors "
+                               "files (.bin checkpoints: convert them with transformers' save_pretrained first)")
+    return files, config
+
+
+def load_hf_llama(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                  attn_implementation: str = "sdpa") -> GPT:
+    """A `helpers.GPT` with the weights of a Hugging Face Llama or Qwen3 checkpoint folder.
+
+    The model is built on the meta device; each of our tensors is read (its parts concatenated), cast and placed on
+    `device` one at a time. Every tensor of the file must be used and every one of ours found, or it is refused.
+    """
+    files, config_json = _files(Path(path))
+    hf = json.loads(config_json.read_text())
+    config = config_from_hf(hf, source=str(config_json))
+    handles = [safe_open(file, framework="pt", device="cpu") for file in files]
+    check_exported_config(handles[0].metadata(), hf, config_json)
+    where = {name: h for h in handles for name in h.keys()}
+    if config.tie_weights:
+        where.pop("lm_head.weight", None)  # some files store the tied head again
+    groups = hf_groups(config)
+    wanted = {name for parts in groups.values() for name in parts}
+    missing, extra = sorted(wanted - set(where)), sorted(set(where) - wanted)
+    if missing or extra:
+        what = [f"lacks {len(missing)} tensor(s), e.g. {missing[0]!r}" if missing else "",
+                f"has {len(extra)} tensor(s) helpers.GPT does not, e.g. {extra[0]!r}" if extra else ""]
+        raise WeightsError(f"{path} {' and '.join(w for w in what if w)}: its config.json does not describe these "
+                           "weights (or it is another architecture)")
+    with torch.device("meta"):
+        model = GPT(config, attn_implementation=attn_implementation)
+    expected = model.state_dict()
+    for ours, parts in groups.items():
+        tensor = torch.cat([where[name].get_tensor(name) for name in parts])
+        if tuple(tensor.shape) != tuple(expected[ours].shape):
+            raise WeightsError(f"{path}: {' + '.join(parts)} make shape {tuple(tensor.shape)}, but config.json gives "
+                               f"{ours} the shape {tuple(expected[ours].shape)}: the files come from different models")
+        tensor = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()
+        model.load_state_dict({ours: tensor}, strict=False, assign=True)
+    return tie_weights(model).eval()
+
+
+def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """The model's weights under LlamaForCausalLM's (or Qwen3ForCausalLM's) names, Q/K/V and gate/up split apart."""
+    config = model.config
+    model_type_of(config)
+    q, kv = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
+    ours = model.state_dict()
+    out = {}
+    for name, parts in hf_groups(config).items():
+        tensor = ours[name].detach()
+        if len(parts) == 3:
+            pieces = tensor.split([q, kv, kv])
+        elif len(parts) == 2:
+            pieces = tensor.chunk(2)
+        else:
+            pieces = (tensor,)
+        out |= {part: piece.contiguous() for part, piece in zip(parts, pieces, strict=True)}
+    return out
+
+
+def save_hf_llama(model: GPT, directory: str | os.PathLike) -> Path:
+    """Write `model.safetensors` and `config.json` that `AutoModelForCausalLM.from_pretrained(directory)` loads as
+    LlamaForCausalLM (or Qwen3ForCausalLM, for a model with QK-norm); each file atomically."""
+    directory = Path(directory)
+    tensors = hf_state_dict(model)
+    config = hf_config_dict(model.config)
+    with atomic_path(directory / "model.safetensors") as tmp:
+        save_file({k: t.cpu() for k, t in tensors.items()}, tmp,
+                  metadata={"format": "pt", EXPORTED_CONFIG: json.dumps(config, sort_keys=True)})
+    with atomic_path(directory / "config.json") as tmp:
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+    return directory
