@@ -235,6 +235,7 @@ def test_the_long_training_notebooks_fit_ten_minutes_on_a_t4_by_estimate():
     acc = p["ch05_training/02_gradient_accumulation.ipynb"]
     mix = p["ch05_training/03_mixed_precision.ipynb"]
     lr = p["ch05_training/05_lr_schedules.ipynb"]
+    modern = gpu_parameters("ch08_modern_llm/01_from_gpt2_to_llama.ipynb", t4)
     runs_lr = 2 + 2 + len(lr["SWEEP_LRS"]) * len(lr["SWEEP_WARMUPS"]) * len(lr["SEEDS"])  # sections 2-4
     estimates = {
         "pretraining": training_seconds_on_a_t4(small_width(pre, pre["VOCAB"]),
@@ -246,5 +247,8 @@ def test_the_long_training_notebooks_fit_ten_minutes_on_a_t4_by_estimate():
                                for dtype in (None, None, low, low)),  # fp32, the fp32 yardstick, bf16 and fp16
         "lr schedules": training_seconds_on_a_t4(small_width(lr, lr["VOCAB"]), runs_lr * lr["STEPS"]
                                                  * lr["BATCH_SIZE"] * lr["CONTEXT"], low),
+        # the ladder of 7 variants, once per seed (GPT-2's width and depth; the variants differ by a few percent)
+        "modern decoder": training_seconds_on_a_t4(small_width(modern, modern["VOCAB"]), 7 * len(modern["SEEDS"])
+                                                   * modern["STEPS"] * modern["BATCH_SIZE"] * modern["CONTEXT"], low),
     }
     assert all(seconds <= 600 for seconds in estimates.values()), estimates

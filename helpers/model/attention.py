@@ -393,8 +393,9 @@ class CausalSelfAttention(nn.Module):
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x).split([q_width, kv_width, kv_width], dim=-1)
         q, k, v = _split_heads(q, self.n_heads), _split_heads(k, self.n_kv_heads), _split_heads(v, self.n_kv_heads)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:  # in the norms' dtype: under autocast q and k arrive in bf16, the weights in fp32,
+            norm_dtype = self.q_norm.weight.dtype  # and torch.rms_norm's fused kernel wants them alike
+            q, k = (n(t.to(norm_dtype)).to(t.dtype) for n, t in ((self.q_norm, q), (self.k_norm, k)))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return q, k, v
