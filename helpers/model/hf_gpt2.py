@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from ..system.files import atomic_path
 from .config import GPT2_VOCAB_SIZE, PRESETS, GPTConfig
 from .gpt import GPT
+from .hub import WeightsUnavailable as WeightsUnavailable  # re-exported: what download_gpt2 raises
 from .hub import download_files
 from .loading import tie_weights
 
@@ -254,9 +255,13 @@ def save_hf_gpt2(model: GPT, directory: str | os.PathLike) -> Path:
     metadata, so an export interrupted between the two (new weights, the previous config.json) is refused on load
     instead of running the new weights with, say, the old number of heads.
     """
+    return save_with_config(directory, hf_state_dict(model), hf_config_dict(model.config))
+
+
+def save_with_config(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor], config: dict) -> Path:
+    """`model.safetensors` (with a copy of `config` in its metadata, for `check_exported_config`) and `config.json`
+    in `directory`, each replaced atomically."""
     directory = Path(directory)
-    tensors = hf_state_dict(model)
-    config = hf_config_dict(model.config)
     with atomic_path(directory / "model.safetensors") as tmp:
         save_file({k: t.cpu() for k, t in tensors.items()}, tmp,
                   metadata={"format": "pt", EXPORTED_CONFIG: json.dumps(config, sort_keys=True)})

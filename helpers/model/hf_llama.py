@@ -20,12 +20,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from ..system.files import atomic_path
 from .config import GPTConfig
 from .gpt import GPT, swiglu_hidden_dim
-from .hf_gpt2 import EXPORTED_CONFIG, WeightsError, check_exported_config
+from .hf_gpt2 import WeightsError, check_exported_config, save_with_config
 from .loading import tie_weights
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # model_type -> transformers class
@@ -192,13 +190,5 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 def save_hf_llama(model: GPT, directory: str | os.PathLike) -> Path:
     """Write `model.safetensors` and `config.json` that `AutoModelForCausalLM.from_pretrained(directory)` loads as
-    LlamaForCausalLM (or Qwen3ForCausalLM, for a model with QK-norm); each file atomically."""
-    directory = Path(directory)
-    tensors = hf_state_dict(model)
-    config = hf_config_dict(model.config)
-    with atomic_path(directory / "model.safetensors") as tmp:
-        save_file({k: t.cpu() for k, t in tensors.items()}, tmp,
-                  metadata={"format": "pt", EXPORTED_CONFIG: json.dumps(config, sort_keys=True)})
-    with atomic_path(directory / "config.json") as tmp:
-        tmp.write_text(json.dumps(config, indent=2) + "\n")
-    return directory
+    LlamaForCausalLM (or Qwen3ForCausalLM, for a model with QK-norm); an interrupted export is refused on load."""
+    return save_with_config(directory, hf_state_dict(model), hf_config_dict(model.config))
