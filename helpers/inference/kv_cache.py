@@ -91,6 +91,13 @@ class KVCache:
     def advance(self, seq: int) -> None:
         self.length += seq
 
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (speculative decoding rolls back the draft tokens the target
+        rejected); their slots are overwritten by the next tokens."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"can truncate the cache to 0 .. {self.length} positions, not {length}")
+        self.length = length
+
 
 @torch.no_grad()
 def generate_with_cache(
