@@ -114,16 +114,39 @@ def _bench_load(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from .measure.serving_bench import bench_serve, format_report
+    from .measure import serving_bench
 
+    if args.workload == "mixed" and args.prefix_tokens is not None:
+        args.command_parser.error("--prefix-tokens is for --workload shared-prefix")
     device = fill_scale_defaults(args, "bench-serve")
+
+    def progress(name: str) -> None:
+        print(f"serving with {name} ...", file=sys.stderr, flush=True)
+
     try:
-        report, _ = bench_serve(args.model, args.requests, args.max_batch, args.block_size,
-                                seed=args.seed, device=device, num_blocks=args.num_blocks, repeats=args.repeats,
-                                progress=lambda name: print(f"serving with {name} ...", file=sys.stderr, flush=True))
+        if args.workload == "mixed":
+            report, _ = serving_bench.bench_serve(args.model, args.requests, args.max_batch, args.block_size,
+                                                  seed=args.seed, device=device, num_blocks=args.num_blocks,
+                                                  repeats=args.repeats, progress=progress)
+            text = serving_bench.format_report
+        else:
+            import torch
+
+            from .model.config import GPTConfig
+            from .model.gpt import GPT
+
+            config = GPTConfig.from_preset(args.model, dropout=0.0)
+            prefix = config.context_length // 2 if args.prefix_tokens is None else args.prefix_tokens
+            workload = serving_bench.shared_prefix_workload(args.requests, config.context_length, prefix, args.seed)
+            torch.manual_seed(args.seed)
+            model = GPT(config).to(device).eval()
+            report, _ = serving_bench.bench_shared_prefix(model, workload, args.max_batch, args.block_size,
+                                                          num_blocks=args.num_blocks, repeats=args.repeats,
+                                                          progress=progress)
+            text = serving_bench.format_prefix_report
     except ValueError as err:  # e.g. --num-blocks too small for a request: say so, no traceback
         args.command_parser.error(str(err))
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    print(json.dumps(report, indent=2) if args.json else text(report))
     return 0
 
 
@@ -287,7 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--json", action="store_true", help="a JSON list instead of a table")
     load.set_defaults(func=_bench_load)
 
-    serve = commands.add_parser("bench-serve", help="continuous vs static batching: throughput, latency, KV memory")
+    serve = commands.add_parser("bench-serve", help="continuous vs static batching (throughput, latency, KV memory); "
+                                "prefix caching on a shared system prompt")
+    serve.add_argument("--workload", choices=["mixed", "shared-prefix"], default="mixed",
+                       help="mixed: continuous vs static batching on mixed lengths; shared-prefix: requests that "
+                       "share a system prompt, without and with prefix caching (default: mixed)")
+    serve.add_argument("--prefix-tokens", type=positive_int,
+                       help="tokens of the shared prefix with --workload shared-prefix (default: half the context)")
     serve.add_argument("--model", choices=list(PRESETS),
                        help=scale_help("bench-serve", "model", "preset, random weights"))
     serve.add_argument("--requests", type=positive_int,

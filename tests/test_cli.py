@@ -22,6 +22,8 @@ BAD_ARGUMENTS = [
     (["bench-serve", "--max-batch", "0"], "argument --max-batch: invalid integer >= 1 value: '0'"),
     (["bench-serve", "--num-blocks", "-1"], "argument --num-blocks: invalid integer >= 1 value: '-1'"),
     (["bench-serve", "--repeats", "0"], "argument --repeats: invalid integer >= 1 value: '0'"),
+    (["bench-serve", "--prefix-tokens", "8"], "--prefix-tokens is for --workload shared-prefix"),
+    (["bench-serve", "--workload", "shared-prefix", "--prefix-tokens", "100000"], "prefix_tokens must be between"),
     (["bench-train", "--model", "gpt-smoke", "--ctx", "65"], "pass --ctx 64 or less"),
     (["bench-train", "--ctx", "0"], "argument --ctx: invalid integer >= 1 value: '0'"),
     (["bench-train", "--batch", "0"], "argument --batch: invalid integer >= 1 value: '0'"),

@@ -11,11 +11,12 @@ readable version of what a fused paged-attention kernel does in place.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Container, Hashable, Sequence
 
 import torch
 
 from ..model.attention import sdpa_attention
+from .prefix_cache import ROOT, PrefixIndex, PrefixMatch
 
 
 class OutOfBlocks(RuntimeError):
@@ -23,39 +24,74 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    """Block ids 0..num_blocks-1 on a free list. Allocation is all-or-nothing, and a double free is an error,
-    so `num_free + num_used == num_blocks` always holds."""
+    """Block ids 0..num_blocks-1 with reference counts: a block is free at count 0, and with prefix caching
+    several sequences hold (share) one block. Allocation is all-or-nothing, and freeing a block nobody holds is
+    an error, so `num_free + num_used == num_blocks` always holds.
+
+    A freed block whose contents are worth keeping (a cached prefix, `retain` in `free`) is free but
+    *evictable*: allocation takes blocks that hold nothing first (the most recently freed first), then
+    evictable ones, least recently freed first, and `share` can take an evictable block back as it is.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids are handed out first
-        self._used: set[int] = set()
+        self._evictable: dict[int, None] = {}  # free blocks that keep their contents, least recently freed first
+        self._refs: dict[int, int] = {}  # reference count of each held block
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return len(self._refs)
+
+    def refcount(self, block: int) -> int:
+        return self._refs.get(block, 0)
+
+    def is_evictable(self, block: int) -> bool:
+        return block in self._evictable
 
     def allocate(self, n: int) -> list[int]:
         """`n` free block ids, or OutOfBlocks (allocating none) when fewer than `n` are free."""
-        if n > len(self._free):
-            raise OutOfBlocks(f"{n} blocks requested but only {len(self._free)} of {self.num_blocks} are free")
-        blocks = [self._free.pop() for _ in range(n)]
-        self._used.update(blocks)
+        if n > self.num_free:
+            raise OutOfBlocks(f"{n} blocks requested but only {self.num_free} of {self.num_blocks} are free")
+        blocks = [self._free.pop() if self._free else self._pop_evictable() for _ in range(n)]
+        self._refs.update(dict.fromkeys(blocks, 1))
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
-        """Return blocks to the free list; all are checked first, so a bad list frees nothing."""
-        bad = [b for b in blocks if b not in self._used]
+    def _pop_evictable(self) -> int:
+        block = next(iter(self._evictable))
+        del self._evictable[block]
+        return block
+
+    def share(self, block: int) -> None:
+        """One more holder of `block`: a held block, or an evictable one taken back with its contents."""
+        if block in self._refs:
+            self._refs[block] += 1
+        elif block in self._evictable:
+            del self._evictable[block]
+            self._refs[block] = 1
+        else:
+            raise ValueError(f"cannot share block {block}: it is free and holds nothing")
+
+    def free(self, blocks: list[int], retain: Container[int] = ()) -> None:
+        """Drop one reference to each block; all are checked first, so a bad list frees nothing. A block nobody
+        holds any more goes on the free list, or, if it is in `retain`, becomes evictable."""
+        bad = [b for b in blocks if b not in self._refs]
         if bad or len(set(blocks)) != len(blocks):
             raise ValueError(f"cannot free blocks {blocks}: {bad or 'duplicates'} not allocated (a double free?)")
-        self._used.difference_update(blocks)
-        self._free.extend(reversed(blocks))
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                del self._refs[block]
+                if block in retain:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
 
 
 class PagedKVCache:
@@ -63,10 +99,16 @@ class PagedKVCache:
 
     Storage is (n_layers, num_blocks, block_size, n_heads, head_dim) for keys and the same for values. Token
     `p` of a sequence lives in slot `p % block_size` of block `block_table[p // block_size]`.
+
+    With `prefix_caching`, full blocks are indexed by the tokens up to their end (`helpers.inference.prefix_cache`)
+    as sequences compute them (`commit`), a new sequence starts from the blocks of its longest cached prefix
+    (`match_prefix`, `attach`), and a released block keeps its contents (evictable) until it is allocated again.
+    A sequence only ever writes into blocks it holds alone and that are not indexed.
     """
 
     def __init__(self, n_layers: int, n_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 prefix_caching: bool = False) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.allocator = BlockAllocator(num_blocks)
@@ -76,6 +118,8 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_tables: dict[Hashable, list[int]] = {}
         self._tables: dict[Hashable, torch.Tensor] = {}  # the same tables as tensors, for indexing
+        self.prefix_index = PrefixIndex(block_size) if prefix_caching else None
+        self._indexed: dict[Hashable, tuple[int, bytes]] = {}  # per sequence: leading blocks indexed, last digest
 
     @property
     def num_blocks(self) -> int:
@@ -83,7 +127,7 @@ class PagedKVCache:
 
     @property
     def allocated_slots(self) -> int:
-        """Token slots in blocks that some sequence holds (used or not)."""
+        """Token slots in blocks that some sequence holds (used or not); a shared block counts once."""
         return self.allocator.num_used * self.block_size
 
     @property
@@ -104,15 +148,76 @@ class PagedKVCache:
     def reserve(self, seq_id: Hashable, n_tokens: int) -> None:
         """Grow `seq_id`'s block table (creating it if new) to hold `n_tokens` tokens; OutOfBlocks if it can't."""
         new = self.allocator.allocate(self.blocks_missing(seq_id, n_tokens))
+        if self.prefix_index is not None:
+            for block in new:  # an evicted block's old contents are about to be overwritten
+                self.prefix_index.forget(block)
         table = self.block_tables.setdefault(seq_id, [])
         if new or seq_id not in self._tables:
             table.extend(new)
             self._tables[seq_id] = torch.tensor(table, dtype=torch.long, device=self.k.device)
 
     def release(self, seq_id: Hashable) -> None:
-        """Free every block of `seq_id`: they go straight back on the free list for other sequences."""
-        self.allocator.free(self.block_tables.pop(seq_id))
+        """Drop `seq_id`'s hold on its blocks: those nobody else holds are free for other sequences at once
+        (indexed ones keep their contents until they are allocated again)."""
+        self.allocator.free(self.block_tables.pop(seq_id), retain=self.prefix_index or ())
         del self._tables[seq_id]
+        self._indexed.pop(seq_id, None)
+
+    # ---- prefix caching ----
+
+    def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
+        """The cached blocks a new sequence of these tokens can start from (none without prefix caching). At
+        least the last token is left to compute: its logits give the first new token."""
+        if self.prefix_index is None:
+            return PrefixMatch()
+        match = self.prefix_index.lookup(tokens)
+        return PrefixMatch(match.blocks, min(match.tokens, len(tokens) - 1))
+
+    def _copy_on_write(self, match: PrefixMatch) -> bool:
+        """Whether the first write of a sequence starting from `match` falls inside one of the matched blocks."""
+        return bool(match.blocks) and match.tokens < len(match.blocks) * self.block_size
+
+    def blocks_to_attach(self, match: PrefixMatch, n_tokens: int) -> int:
+        """Free blocks that `attach(seq, match, n_tokens)` takes: matched ones that were evictable, a copy of a
+        block the sequence diverges in, and new blocks up to `n_tokens`."""
+        taken_back = sum(self.allocator.is_evictable(b) for b in match.blocks)
+        grow = max(0, self.blocks_for(n_tokens) - len(match.blocks))
+        return taken_back + self._copy_on_write(match) + grow
+
+    def attach(self, seq_id: Hashable, match: PrefixMatch, n_tokens: int) -> None:
+        """Start a new sequence from the cached blocks of `match`, then reserve up to `n_tokens` tokens. The block
+        its first new token goes into, if a matched one, is copied first (copy-on-write): others hold it."""
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id!r} already holds blocks; attach only a new sequence")
+        if self.blocks_to_attach(match, n_tokens) > self.allocator.num_free:
+            raise OutOfBlocks(f"{self.blocks_to_attach(match, n_tokens)} blocks needed for sequence {seq_id!r} but "
+                              f"only {self.allocator.num_free} of {self.num_blocks} are free")
+        table = list(match.blocks)
+        for block in table:
+            self.allocator.share(block)
+        if self._copy_on_write(match):
+            i = match.tokens // self.block_size
+            (copy,) = self.allocator.allocate(1)
+            self.prefix_index.forget(copy)
+            self.k[:, copy], self.v[:, copy] = self.k[:, table[i]], self.v[:, table[i]]
+            self.allocator.free([table[i]], retain=self.prefix_index)
+            table[i] = copy
+        self.block_tables[seq_id] = table
+        full = match.tokens // self.block_size  # leading blocks that are shared and stay indexed
+        self._indexed[seq_id] = (full, self.prefix_index.digest_of(table[full - 1]) if full else ROOT)
+        self.reserve(seq_id, n_tokens)
+
+    def commit(self, seq_id: Hashable, tokens: Sequence[int], num_computed: int) -> None:
+        """With prefix caching, index the blocks of `seq_id` that its first `num_computed` tokens (of `tokens`,
+        its whole sequence so far) fill completely; they are never written again."""
+        if self.prefix_index is None:
+            return
+        count, parent = self._indexed.get(seq_id, (0, ROOT))
+        table, bs = self.block_tables[seq_id], self.block_size
+        while (count + 1) * bs <= num_computed:
+            parent = self.prefix_index.add(table[count], parent, tokens[count * bs : (count + 1) * bs])
+            count += 1
+        self._indexed[seq_id] = (count, parent)
 
     def slots(self, seq_id: Hashable, start: int, end: int) -> torch.Tensor:
         """Flat slot indices (block * block_size + offset) of positions start..end-1 of `seq_id`."""

@@ -34,6 +34,7 @@ class Sequence:
     submitted: float
     tokens: list[int]  # prompt + generated so far
     num_computed: int = 0  # leading tokens whose keys and values are in the cache
+    cached_tokens: int = 0  # tokens found in the prefix cache instead of computed, over all admissions
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     first_token: float | None = None
@@ -59,11 +60,25 @@ class Scheduler:
         """The next iteration's chunks, and how many sequences were preempted to make room."""
         raise NotImplementedError
 
-    def admit(self, seq: Sequence, reserve_tokens: int) -> None:
-        """Move the first waiting sequence into the batch, with blocks for `reserve_tokens` tokens."""
+    def try_admit(self, seq: Sequence, budget: int | None) -> bool:
+        """Move the first waiting sequence into the batch if its blocks fit: with prefix caching it starts from
+        the blocks of its longest cached prefix (`num_computed` jumps past those tokens); it reserves blocks for
+        the tokens it runs now (the rest of its prompt, at most `budget` of them) or, with `budget=None`, for
+        its full length. False (and no change) if the blocks do not fit."""
+        rid = seq.request.request_id
+        match = self.cache.match_prefix(seq.tokens)
+        if budget is None:
+            n_tokens = cached_positions(len(seq.tokens), seq.request.max_tokens)
+        else:
+            n_tokens = match.tokens + min(len(seq.tokens) - match.tokens, budget)
+        if self.cache.blocks_to_attach(match, n_tokens) > self.cache.allocator.num_free:
+            return False
         self.waiting.popleft()
-        self.cache.reserve(seq.request.request_id, reserve_tokens)
+        self.cache.attach(rid, match, n_tokens)
+        seq.num_computed = match.tokens
+        seq.cached_tokens += match.tokens
         self.running.append(seq)
+        return True
 
     def retire(self) -> list[Sequence]:
         """Remove the finished sequences from the batch and free their blocks; returns them."""
@@ -106,11 +121,10 @@ class ContinuousScheduler(Scheduler):
         # new sequences join while there are slots, tokens and blocks; not in an iteration that had to preempt
         while self.waiting and len(self.running) < self.max_batch and budget > 0 and not preempted:
             seq = self.waiting[0]
-            n = min(len(seq.tokens), budget)
-            if not self.cache.can_hold(seq.request.request_id, n):
+            if not self.try_admit(seq, budget):
                 break  # wait for blocks to be freed
-            self.admit(seq, n)
-            plan.append((seq, 0, n))
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            plan.append((seq, seq.num_computed, n))
             budget -= n
         return plan, preempted
 
@@ -127,10 +141,8 @@ class StaticScheduler(Scheduler):
         if not self.running:
             while self.waiting and len(self.running) < self.max_batch:
                 seq = self.waiting[0]
-                full = cached_positions(len(seq.tokens), seq.request.max_tokens)
-                if not self.cache.can_hold(seq.request.request_id, full):
+                if not self.try_admit(seq, budget=None):
                     break
-                self.admit(seq, full)
         plan, budget = [], self.max_step_tokens
         for seq in self.running:
             if seq.finish_reason is None and budget > 0:

@@ -16,7 +16,9 @@ decoding sequences in one batched call, prompt chunks one by one).
   padded batch tensor do, and the next batch starts only then.
 
 With `block_size=context_length` and `num_blocks=max_batch` (see `contiguous_layout`) the cache is the usual
-contiguous one: a max-length row per sequence.
+contiguous one: a max-length row per sequence. With `prefix_caching=True` (continuous scheduling) requests that
+share leading tokens share their KV blocks (`helpers.inference.prefix_cache`): a request skips the prefill of
+its longest cached prefix.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Completion:
     first_token_s: float
     latency_s: float
     preemptions: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed (all admissions)
 
 
 @dataclass(frozen=True)
@@ -97,10 +100,34 @@ class ServingRun:
     def preemptions(self) -> int:
         return sum(c.preemptions for c in self.completions)
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens computed (prefill rows, recomputation after preemption included)."""
+        return sum(n for i in self.iterations for _, n, kind in i.batch if kind == "prefill")
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prefill tokens that the prefix cache saved."""
+        return sum(c.cached_tokens for c in self.completions)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """The share of the tokens to prefill that were found in the prefix cache."""
+        return self.cached_tokens / (self.cached_tokens + self.prefill_tokens)
+
     def latency_percentiles(self, percentiles: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
         """Request latency (submission to last token) percentiles in seconds, e.g. {"p50": ..., "p90": ...}."""
-        latencies = torch.tensor([c.latency_s for c in self.completions], dtype=torch.float64)
-        return {f"p{p}": torch.quantile(latencies, p / 100).item() for p in percentiles}
+        return percentiles_of([c.latency_s for c in self.completions], percentiles)
+
+    def ttft_percentiles(self, percentiles: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
+        """Time-to-first-token (submission to first new token) percentiles in seconds."""
+        return percentiles_of([c.first_token_s for c in self.completions], percentiles)
+
+
+def percentiles_of(values: list[float], percentiles: tuple[int, ...]) -> dict[str, float]:
+    """{"p50": ..., ...} of `values` (linear interpolation, as numpy's default)."""
+    x = torch.tensor(values, dtype=torch.float64)
+    return {f"p{p}": torch.quantile(x, p / 100).item() for p in percentiles}
 
 
 def contiguous_layout(context_length: int, max_batch: int) -> dict[str, int]:
@@ -114,14 +141,21 @@ class Engine:
 
     `num_blocks` defaults to enough blocks for `max_batch` sequences of the full context length.
     `max_step_tokens` (default: the context length) caps the tokens of one iteration; longer prompts are
-    prefilled in chunks over several iterations. Outputs match `model.generate` greedy per request (exactly
-    in float64; in float32 the batched kernels round differently from single-sequence ones).
+    prefilled in chunks over several iterations. `prefix_caching` shares the KV blocks of common prompt prefixes.
+    Outputs match `model.generate` greedy per request (exactly in float64; in float32 the batched kernels round
+    differently from single-sequence ones).
     """
 
     def __init__(self, model: GPT, *, max_batch: int, block_size: int = 16, num_blocks: int | None = None,
-                 scheduling: str = "continuous", max_step_tokens: int | None = None) -> None:
+                 scheduling: str = "continuous", max_step_tokens: int | None = None,
+                 prefix_caching: bool = False) -> None:
         if scheduling not in SCHEDULINGS:
             raise ValueError(f"unknown scheduling {scheduling!r}; valid: {', '.join(SCHEDULINGS)}")
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        if prefix_caching and scheduling != "continuous":
+            raise ValueError("prefix caching needs scheduling='continuous' (a static batch's padding rows rewrite "
+                             "their last cached token, which others may share)")
         ctx = model.config.context_length
         for name, value in (("max_batch", max_batch), ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
@@ -133,7 +167,7 @@ class Engine:
         self.model, self.max_batch, self.scheduling = model, max_batch, scheduling
         param = next(model.parameters())
         self.cache = PagedKVCache(model.config.n_layers, model.config.kv_heads, model.config.head_dim, num_blocks,
-                                  block_size, dtype=param.dtype, device=param.device)
+                                  block_size, dtype=param.dtype, device=param.device, prefix_caching=prefix_caching)
         self.scheduler = SCHEDULERS[scheduling](self.cache, max_batch, self.max_step_tokens)
         self._pending: dict[Hashable, Sequence] = {}  # submitted and not yet returned by `run`
         self._finished: dict[Hashable, Completion] = {}
@@ -226,6 +260,7 @@ class Engine:
             if seq.finish_reason is not None:
                 continue  # a padding row
             seq.num_computed = start + n
+            self.cache.commit(seq.request.request_id, seq.tokens, seq.num_computed)
             if seq.num_computed < len(seq.tokens):
                 continue  # a prompt chunk that is not the last one
             seq.tokens.append(token)
@@ -242,7 +277,7 @@ class Engine:
         for seq in self.scheduler.retire():
             completions.append(Completion(seq.request.request_id, len(seq.request.prompt), seq.generated,
                                           seq.finish_reason, seq.first_token - seq.submitted, now - seq.submitted,
-                                          seq.preemptions))
+                                          seq.preemptions, seq.cached_tokens))
         self._finished.update((c.request_id, c) for c in completions)
         return completions
 

@@ -169,3 +169,121 @@ def format_report(report: dict) -> str:
                  f"every engine): {report['token_identical']}; float32 outputs equal between continuous and static: "
                  f"{report['float32_same_tokens']:.0%} of requests")
     return "\n".join(lines)
+
+
+def shared_prefix_workload(n_requests: int, context_length: int, prefix_tokens: int, seed: int = 0,
+                           token_ids: torch.Tensor | None = None) -> list[Request]:
+    """Requests that all start with one `prefix_tokens`-token system prompt (a slice of the course corpus), each
+    followed by its own question of ctx/32 to ctx/16 corpus tokens and answered with ctx/64 to ctx/16 tokens
+    (uniform, no EOS): a chat service whose requests share their instructions."""
+    if n_requests < 1:
+        raise ValueError(f"n_requests must be 1 or more, got {n_requests}")
+    q_lo, q_hi = max(1, context_length // 32), max(1, context_length // 16)
+    out_lo, out_hi = max(1, context_length // 64), max(1, context_length // 16)
+    if not 1 <= prefix_tokens <= context_length - q_hi - out_hi:
+        raise ValueError(f"prefix_tokens must be between 1 and {context_length - q_hi - out_hi} for a context of "
+                         f"{context_length} (questions up to {q_hi} and answers up to {out_hi} tokens follow it), "
+                         f"got {prefix_tokens}")
+    ids = load_token_ids() if token_ids is None else token_ids
+    g = torch.Generator().manual_seed(seed)
+    start = int(torch.randint(0, len(ids) - prefix_tokens, (1,), generator=g))
+    prefix = tuple(ids[start : start + prefix_tokens].tolist())
+    q_lens = torch.randint(q_lo, q_hi + 1, (n_requests,), generator=g).tolist()
+    out_lens = torch.randint(out_lo, out_hi + 1, (n_requests,), generator=g).tolist()
+    starts = torch.randint(0, len(ids) - q_hi, (n_requests,), generator=g).tolist()
+    return [Request(i, prefix + tuple(ids[s : s + q].tolist()), o)
+            for i, (s, q, o) in enumerate(zip(starts, q_lens, out_lens, strict=True))]
+
+
+def bench_shared_prefix(model: GPT, workload: list[Request], max_batch: int, block_size: int = 16,
+                        num_blocks: int | None = None, repeats: int = 3, check_requests: int = 4,
+                        check_max_tokens: int = 8, progress=None) -> tuple[dict, dict[str, ServingRun]]:
+    """Serve `workload` with continuous batching on the paged cache, without and with prefix caching (same model,
+    same memory, runs interleaved `repeats` times after a warm-up). Returns the report and each engine's median
+    run: tokens/s (median, IQR), time-to-first-token percentiles, prefill tokens computed and saved, hit rate;
+    `token_identical`: `check_requests` requests served with prefix caching by a float64 copy equal
+    `GPT.generate`'s greedy tokens."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be 1 or more, got {repeats}")
+    base = engine_arguments(model.config.context_length, max_batch, block_size, num_blocks)["continuous"]
+    engines = {"no_sharing": base, "prefix_caching": {**base, "prefix_caching": True}}
+    warmup = [Request(r.request_id, r.prompt, min(r.max_tokens, 4)) for r in workload[:max_batch]]
+    every: dict[str, list[ServingRun]] = {name: [] for name in engines}
+    for round_ in range(repeats):
+        for name, args in engines.items():
+            if progress is not None:
+                progress(f"{name} ({round_ + 1}/{repeats})" if repeats > 1 else name)
+            if round_ == 0:
+                serve(model, warmup, **args)
+            every[name].append(serve(model, workload, **args))
+    throughput = {name: Spread(tuple(r.tokens_per_s for r in rs)) for name, rs in every.items()}
+    ttft = {name: Spread(tuple(r.ttft_percentiles((50,))["p50"] for r in rs)) for name, rs in every.items()}
+    runs = {name: sorted(rs, key=lambda r: r.wall_s)[(len(rs) - 1) // 2] for name, rs in every.items()}
+    model64 = copy.deepcopy(model).double().eval()
+    check = [Request(r.request_id, r.prompt, check_max_tokens) for r in workload[:check_requests]]
+    expected = [reference_tokens(model64, r) for r in check]
+    served = serve(model64, check, **{**engines["prefix_caching"], "max_batch": max(1, len(check) // 2)})
+    report = {
+        "model_parameters": sum(p.numel() for p in model.parameters()),
+        "context_length": model.config.context_length, "device": str(next(model.parameters()).device),
+        "dtype": dtype_name(next(model.parameters()).dtype), "requests": len(workload), "max_batch": max_batch,
+        "block_size": block_size, "num_blocks": base["num_blocks"], "repeats": repeats,
+        "shared_prefix_tokens": common_prefix_length([r.prompt for r in workload]),
+        "prompt_tokens": sum(len(r.prompt) for r in workload),
+        "generated_tokens": runs["prefix_caching"].generated_tokens,
+        "throughput_ratio": throughput["prefix_caching"].median / throughput["no_sharing"].median,
+        "ttft_ratio": ttft["prefix_caching"].median / ttft["no_sharing"].median,
+        "throughput_verdict": verdict("prefix caching", throughput["prefix_caching"], "no sharing",
+                                      throughput["no_sharing"]),
+        "ttft_verdict": verdict("prefix caching", ttft["prefix_caching"], "no sharing", ttft["no_sharing"],
+                                higher_is_better=False),
+        "token_identical_requests": len(check),
+        "token_identical": [c.tokens for c in served.completions] == expected,
+    }
+    for name, run in runs.items():
+        report |= {f"tokens_per_s_{name}": throughput[name].median,
+                   f"tokens_per_s_iqr_{name}": list(throughput[name].quartiles),
+                   f"ttft_p50_s_{name}": ttft[name].median, f"ttft_p50_iqr_{name}": list(ttft[name].quartiles),
+                   f"prefill_tokens_{name}": run.prefill_tokens, f"cached_tokens_{name}": run.cached_tokens,
+                   f"prefix_hit_rate_{name}": run.prefix_hit_rate, f"wall_s_{name}": run.wall_s,
+                   f"iterations_{name}": len(run.iterations), f"preemptions_{name}": run.preemptions}
+        report |= {f"ttft_{p}_s_{name}": v for p, v in run.ttft_percentiles((90, 99)).items()}
+        report |= {f"latency_{p}_s_{name}": v for p, v in run.latency_percentiles().items()}
+    return report, runs
+
+
+def common_prefix_length(prompts: list[tuple[int, ...]]) -> int:
+    """How many leading tokens every prompt shares."""
+    n = min(len(p) for p in prompts)
+    return next((i for i in range(n) if len({p[i] for p in prompts}) > 1), n)
+
+
+def format_prefix_report(report: dict) -> str:
+    """The shared-prefix benchmark as a text table: without and with prefix caching."""
+    names = ("no_sharing", "prefix_caching")
+    head = (f"{report['requests']} requests (all at t=0) sharing a {report['shared_prefix_tokens']}-token prefix; "
+            f"{report['prompt_tokens']} prompt and {report['generated_tokens']} generated tokens; "
+            f"{report['model_parameters'] / 1e6:.1f}M parameters, context {report['context_length']}, on "
+            f"{report['device']}, {report['dtype']}, max batch {report['max_batch']}, "
+            f"{report['block_size']}-token blocks; median (IQR) of {report['repeats']} interleaved runs each")
+    rows = [
+        ("", "no sharing", "prefix caching"),
+        ("generated tokens / s", *(f"{report[f'tokens_per_s_{n}']:.1f}" for n in names)),
+        ("  IQR", *("{:.1f}–{:.1f}".format(*report[f"tokens_per_s_iqr_{n}"]) for n in names)),
+        ("time to first token p50 (s)", *(f"{report[f'ttft_p50_s_{n}']:.3f}" for n in names)),
+        ("  IQR", *("{:.3f}–{:.3f}".format(*report[f"ttft_p50_iqr_{n}"]) for n in names)),
+        *[(f"time to first token {p} (s)", *(f"{report[f'ttft_{p}_s_{n}']:.3f}" for n in names))
+          for p in ("p90", "p99")],
+        ("latency p50 (s)", *(f"{report[f'latency_p50_s_{n}']:.2f}" for n in names)),
+        ("prompt tokens computed", *(str(report[f"prefill_tokens_{n}"]) for n in names)),
+        ("prompt tokens from the cache", *(str(report[f"cached_tokens_{n}"]) for n in names)),
+        ("prefix-cache hit rate", *(f"{report[f'prefix_hit_rate_{n}']:.1%}" for n in names)),
+        ("iterations", *(str(report[f"iterations_{n}"]) for n in names)),
+        ("preemptions", *(str(report[f"preemptions_{n}"]) for n in names)),
+    ]
+    lines = [head] + [f"{label:<30} {a:>14} {b:>16}" for label, a, b in rows]
+    lines.append(f"throughput: {report['throughput_verdict']} ({report['throughput_ratio']:.2f}x of medians); "
+                 f"time to first token p50: {report['ttft_verdict']} ({report['ttft_ratio']:.2f}x)")
+    lines.append(f"token-identical to GPT.generate in float64 with prefix caching "
+                 f"({report['token_identical_requests']} requests): {report['token_identical']}")
+    return "\n".join(lines)
