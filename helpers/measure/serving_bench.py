@@ -73,6 +73,23 @@ def check_token_identity(model: GPT, requests: list[Request], engines: dict[str,
                for args in engines.values())
 
 
+def serve_interleaved(model: GPT, workload: list[Request], engines: dict[str, dict], repeats: int,
+                      progress=None) -> dict[str, list[ServingRun]]:
+    """Serve `workload` with each engine in turn, `repeats` rounds (A B A B ...: a busy moment of a shared machine
+    falls on all alike), after one warm-up per engine on a few short requests. Every run of each engine."""
+    max_batch = max(args["max_batch"] for args in engines.values())
+    warmup = [Request(r.request_id, r.prompt, min(r.max_tokens, 4)) for r in workload[:max_batch]]
+    every: dict[str, list[ServingRun]] = {name: [] for name in engines}
+    for round_ in range(repeats):
+        for name, args in engines.items():
+            if progress is not None:
+                progress(f"{name} ({round_ + 1}/{repeats})" if repeats > 1 else name)
+            if round_ == 0:
+                serve(model, warmup, **args)  # first calls allocate memory and pick kernels
+            every[name].append(serve(model, workload, **args))
+    return every
+
+
 def bench_serve(model_name: str, n_requests: int, max_batch: int, block_size: int = 16, seed: int = 0,
                 device: str = "cpu", num_blocks: int | None = None, repeats: int = 1, check_requests: int = 6,
                 check_max_tokens: int = 8, progress=None) -> tuple[dict, dict[str, ServingRun]]:
@@ -97,15 +114,7 @@ def bench_serve(model_name: str, n_requests: int, max_batch: int, block_size: in
     engines = engine_arguments(config.context_length, max_batch, block_size, num_blocks)
     if repeats < 1:
         raise ValueError(f"repeats must be 1 or more, got {repeats}")
-    warmup = [Request(r.request_id, r.prompt, min(r.max_tokens, 4)) for r in workload[:max_batch]]
-    every: dict[str, list[ServingRun]] = {name: [] for name in engines}
-    for round_ in range(repeats):
-        for name, args in engines.items():
-            if progress is not None:
-                progress(f"{name} ({round_ + 1}/{repeats})" if repeats > 1 else name)
-            if round_ == 0:
-                serve(model, warmup, **args)  # first calls allocate memory and pick kernels
-            every[name].append(serve(model, workload, **args))
+    every = serve_interleaved(model, workload, engines, repeats, progress)
     throughput = {name: Spread(tuple(r.tokens_per_s for r in rs)) for name, rs in every.items()}
     runs = {name: sorted(rs, key=lambda r: r.wall_s)[(len(rs) - 1) // 2] for name, rs in every.items()}
     shortest = sorted(workload, key=lambda r: len(r.prompt))[:check_requests]  # GPT.generate recomputes everything
@@ -207,15 +216,7 @@ def bench_shared_prefix(model: GPT, workload: list[Request], max_batch: int, blo
         raise ValueError(f"repeats must be 1 or more, got {repeats}")
     base = engine_arguments(model.config.context_length, max_batch, block_size, num_blocks)["continuous"]
     engines = {"no_sharing": base, "prefix_caching": {**base, "prefix_caching": True}}
-    warmup = [Request(r.request_id, r.prompt, min(r.max_tokens, 4)) for r in workload[:max_batch]]
-    every: dict[str, list[ServingRun]] = {name: [] for name in engines}
-    for round_ in range(repeats):
-        for name, args in engines.items():
-            if progress is not None:
-                progress(f"{name} ({round_ + 1}/{repeats})" if repeats > 1 else name)
-            if round_ == 0:
-                serve(model, warmup, **args)
-            every[name].append(serve(model, workload, **args))
+    every = serve_interleaved(model, workload, engines, repeats, progress)
     throughput = {name: Spread(tuple(r.tokens_per_s for r in rs)) for name, rs in every.items()}
     ttft = {name: Spread(tuple(r.ttft_percentiles((50,))["p50"] for r in rs)) for name, rs in every.items()}
     runs = {name: sorted(rs, key=lambda r: r.wall_s)[(len(rs) - 1) // 2] for name, rs in every.items()}
