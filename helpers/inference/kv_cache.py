@@ -19,6 +19,7 @@ import torch
 from ..model.config import GPTConfig
 from ..model.decoding import Sampling, cached_positions, check_decoding, check_prompt
 from ..model.gpt import GPT
+from .kv_quant import SCALE_DTYPE, check_kv_cache_dtype, dequantize_kv, quantize_kv
 
 
 def kv_cache_bytes_per_token(config: GPTConfig, dtype: torch.dtype = torch.float32) -> int:
@@ -32,7 +33,9 @@ class KVCache:
     """Pre-allocated keys and values for `max_len` positions, one (batch, kv_heads, max_len, head_dim) pair per layer.
 
     Allocating once and writing in place avoids re-copying the whole cache at every step, as `torch.cat` would.
-    `length` counts the positions filled so far; the prompts of a batch have equal lengths.
+    `length` counts the positions filled so far; the prompts of a batch have equal lengths. With `int8=True` keys
+    and values are stored as int8 with a float32 scale per position and head (`helpers.inference.kv_quant`), and
+    read back in `dtype`.
     """
 
     def __init__(
@@ -42,6 +45,7 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        int8: bool = False,
     ) -> None:
         if batch < 1 or max_len < 1:
             raise ValueError(f"batch and max_len must be at least 1, got batch={batch}, max_len={max_len}")
@@ -51,14 +55,18 @@ class KVCache:
                 "embeddings stop there"
             )
         shape = (batch, config.kv_heads, max_len, config.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.batch, self.max_len, self.length = batch, max_len, 0
+        stored = torch.int8 if int8 else dtype
+        self.keys = [torch.zeros(shape, dtype=stored, device=device) for _ in range(config.n_layers)]
+        self.values = [torch.zeros(shape, dtype=stored, device=device) for _ in range(config.n_layers)]
+        scale_shape = (*shape[:-1], 1)
+        self.scales = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device)  # keys', then values', per layer
+                       for _ in range(2 * config.n_layers)] if int8 else []
+        self.batch, self.max_len, self.length, self.dtype, self.int8 = batch, max_len, 0, dtype, int8
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cache tensors (allocated for max_len positions, filled or not)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """Bytes held by the cache tensors (allocated for max_len positions, filled or not), scales included."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.scales))
 
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
         if self.length + seq > self.max_len:
@@ -78,9 +86,16 @@ class KVCache:
             raise ValueError(f"the cache holds {self.batch} sequences but the input has {q.size(0)}")
         start, seq = self.length, k.size(2)
         end = start + seq
-        self.keys[layer][:, :, start:end] = k
-        self.values[layer][:, :, start:end] = v
-        keys, values = self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        if self.int8:
+            k_scales, v_scales = self.scales[2 * layer], self.scales[2 * layer + 1]
+            self.keys[layer][:, :, start:end], k_scales[:, :, start:end] = quantize_kv(k)
+            self.values[layer][:, :, start:end], v_scales[:, :, start:end] = quantize_kv(v)
+            keys = dequantize_kv(self.keys[layer][:, :, :end], k_scales[:, :, :end], q.dtype)
+            values = dequantize_kv(self.values[layer][:, :, :end], v_scales[:, :, :end], q.dtype)
+        else:
+            self.keys[layer][:, :, start:end] = k
+            self.values[layer][:, :, start:end] = v
+            keys, values = self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
         if seq == 1:
             return kernel(q, keys, values, is_causal=False)
         if start == 0:
@@ -112,12 +127,15 @@ def generate_with_cache(
     repetition_penalty: float = 1.0,
     frequency_penalty: float = 0.0,
     presence_penalty: float = 0.0,
+    kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """`GPT.generate` with a KV cache: prefill the prompts (batch, seq) of equal length, then one token per step.
 
     Returns the prompts with `max_new_tokens` tokens appended, the same tokens `GPT.generate` picks
     (up to floating-point ties: a one-token step and a whole-sequence forward round differently).
+    `kv_cache_dtype="int8"` stores the cache in int8 (`helpers.inference.kv_quant`): an approximation.
     """
+    int8 = check_kv_cache_dtype(kv_cache_dtype)
     sampling = Sampling(temperature, top_k, top_p, repetition_penalty, frequency_penalty, presence_penalty)
     check_prompt(idx, model.config.vocab_size)
     check_decoding(max_new_tokens, sampling, model.config.vocab_size)
@@ -137,7 +155,7 @@ def generate_with_cache(
     model.eval()
     try:
         dtype = model.ln_f.weight.dtype  # the activations' dtype (quantization leaves the norms alone)
-        cache = KVCache(model.config, idx.size(0), cached, dtype, idx.device)
+        cache = KVCache(model.config, idx.size(0), cached, dtype, idx.device, int8=int8)
         last = torch.tensor([-1], device=idx.device)
         logits = model(idx, cache=cache, logits_at=last)[:, -1]  # prefill
         tokens = [idx]

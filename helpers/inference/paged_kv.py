@@ -16,6 +16,7 @@ from collections.abc import Callable, Container, Hashable, Sequence
 import torch
 
 from ..model.attention import sdpa_attention
+from .kv_quant import SCALE_DTYPE, dequantize_kv, quantize_kv
 from .prefix_cache import ROOT, PrefixIndex, PrefixMatch
 
 
@@ -104,18 +105,26 @@ class PagedKVCache:
     as sequences compute them (`commit`), a new sequence starts from the blocks of its longest cached prefix
     (`match_prefix`, `attach`), and a released block keeps its contents (evictable) until it is allocated again.
     A sequence only ever writes into blocks it holds alone and that are not indexed.
+
+    With `int8=True` keys and values are stored as int8 with a float32 scale per token slot and head
+    (`helpers.inference.kv_quant`), and read back in `dtype`.
     """
 
     def __init__(self, n_layers: int, n_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, int8: bool = False) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
         shape = (n_layers, num_blocks, block_size, n_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        stored = torch.int8 if int8 else dtype
+        self.k = torch.zeros(shape, dtype=stored, device=device)
+        self.v = torch.zeros(shape, dtype=stored, device=device)
+        scale_shape = (*shape[:-1], 1) if int8 else (0,)
+        self.k_scale = torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device)
+        self.v_scale = torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device)
+        self.dtype, self.int8 = dtype, int8
         self.block_tables: dict[Hashable, list[int]] = {}
         self._tables: dict[Hashable, torch.Tensor] = {}  # the same tables as tensors, for indexing
         self.prefix_index = PrefixIndex(block_size) if prefix_caching else None
@@ -132,8 +141,9 @@ class PagedKVCache:
 
     @property
     def bytes_per_slot(self) -> int:
-        """Bytes of keys and values one token takes across all layers."""
-        return 2 * self.k[:, 0, 0].numel() * self.k.element_size()
+        """Bytes of keys and values (and their scales) one token takes across all layers."""
+        scales = self.k_scale[:, 0, 0].numel() * self.k_scale.element_size() if self.int8 else 0
+        return 2 * (self.k[:, 0, 0].numel() * self.k.element_size() + scales)
 
     def blocks_for(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.block_size)
@@ -199,7 +209,8 @@ class PagedKVCache:
             i = match.tokens // self.block_size
             (copy,) = self.allocator.allocate(1)
             self.prefix_index.forget(copy)
-            self.k[:, copy], self.v[:, copy] = self.k[:, table[i]], self.v[:, table[i]]
+            for store in (self.k, self.v, self.k_scale, self.v_scale) if self.int8 else (self.k, self.v):
+                store[:, copy] = store[:, table[i]]
             self.allocator.free([table[i]], retain=self.prefix_index)
             table[i] = copy
         self.block_tables[seq_id] = table
@@ -239,12 +250,20 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v of shape (tokens, n_heads, head_dim) into the given flat slots of one layer."""
+        if self.int8:
+            (k, k_scale), (v, v_scale) = quantize_kv(k), quantize_kv(v)
+            self.k_scale[layer].view(-1, *k_scale.shape[1:])[slots] = k_scale
+            self.v_scale[layer].view(-1, *v_scale.shape[1:])[slots] = v_scale
         self.k[layer].view(-1, *k.shape[1:])[slots] = k
         self.v[layer].view(-1, *v.shape[1:])[slots] = v
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one layer at the given flat slots: shape slots.shape + (n_heads, head_dim)."""
-        return self.k[layer].flatten(0, 1)[slots], self.v[layer].flatten(0, 1)[slots]
+        k, v = self.k[layer].flatten(0, 1)[slots], self.v[layer].flatten(0, 1)[slots]
+        if self.int8:
+            k = dequantize_kv(k, self.k_scale[layer].flatten(0, 1)[slots], self.dtype)
+            v = dequantize_kv(v, self.v_scale[layer].flatten(0, 1)[slots], self.dtype)
+        return k, v
 
     def gather(self, layer: int, seq_id: Hashable, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` keys and values of `seq_id` at one layer, read through its block table, as

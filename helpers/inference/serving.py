@@ -32,6 +32,7 @@ import torch
 
 from ..model.decoding import Sampling, cached_positions, check_decoding
 from ..model.gpt import GPT
+from .kv_quant import check_kv_cache_dtype
 from .paged_kv import PagedBatch, PagedKVCache
 from .scheduler import SCHEDULERS, Chunk, Request, Sequence
 
@@ -141,16 +142,18 @@ class Engine:
 
     `num_blocks` defaults to enough blocks for `max_batch` sequences of the full context length.
     `max_step_tokens` (default: the context length) caps the tokens of one iteration; longer prompts are
-    prefilled in chunks over several iterations. `prefix_caching` shares the KV blocks of common prompt prefixes.
+    prefilled in chunks over several iterations. `prefix_caching` shares the KV blocks of common prompt prefixes;
+    `kv_cache_dtype="int8"` stores the cache in int8 (then outputs approximate the float model's).
     Outputs match `model.generate` greedy per request (exactly in float64; in float32 the batched kernels round
     differently from single-sequence ones).
     """
 
     def __init__(self, model: GPT, *, max_batch: int, block_size: int = 16, num_blocks: int | None = None,
                  scheduling: str = "continuous", max_step_tokens: int | None = None,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, kv_cache_dtype: str = "auto") -> None:
         if scheduling not in SCHEDULINGS:
             raise ValueError(f"unknown scheduling {scheduling!r}; valid: {', '.join(SCHEDULINGS)}")
+        int8 = check_kv_cache_dtype(kv_cache_dtype)
         if not isinstance(prefix_caching, bool):
             raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
         if prefix_caching and scheduling != "continuous":
@@ -167,7 +170,8 @@ class Engine:
         self.model, self.max_batch, self.scheduling = model, max_batch, scheduling
         param = next(model.parameters())
         self.cache = PagedKVCache(model.config.n_layers, model.config.kv_heads, model.config.head_dim, num_blocks,
-                                  block_size, dtype=param.dtype, device=param.device, prefix_caching=prefix_caching)
+                                  block_size, dtype=param.dtype, device=param.device, prefix_caching=prefix_caching,
+                                  int8=int8)
         self.scheduler = SCHEDULERS[scheduling](self.cache, max_batch, self.max_step_tokens)
         self._pending: dict[Hashable, Sequence] = {}  # submitted and not yet returned by `run`
         self._finished: dict[Hashable, Completion] = {}

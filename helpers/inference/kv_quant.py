@@ -1,0 +1,43 @@
+"""An int8 KV cache: keys and values stored as int8, with one float32 scale per token and key/value head.
+
+Decoding reads the whole cache at every step, and at long contexts or large batches the cache, not the weights,
+fills the memory: storing it in int8 holds about twice the tokens of bf16 and four times those of fp32 in the
+same bytes. Each head's vector of head_dim numbers at one position gets its own symmetric absmax scale, fixed
+when the token is written (a per-channel scale, as KIVI uses for keys, would change as tokens arrive). Attention
+reads the cache dequantized back to the compute dtype: here a separate step, where a fused kernel would
+dequantize inside the attention loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.config import GPTConfig
+
+KV_CACHE_DTYPES = ("auto", "int8")  # "auto": the model's own dtype
+SCALE_DTYPE = torch.float32
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> bool:
+    """True for an int8 cache; a clear error for anything but the known names."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; valid: {', '.join(KV_CACHE_DTYPES)}")
+    return kv_cache_dtype == "int8"
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., head_dim) -> int8 values of the same shape and float32 scales (..., 1), x ≈ values * scales.
+    Rounding to nearest makes the error at most half a step: |x - values * scale| <= scale / 2."""
+    x = x.to(SCALE_DTYPE)
+    scale = (x.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(torch.finfo(SCALE_DTYPE).tiny)  # an all-zero row
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def dequantize_kv(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (values.to(SCALE_DTYPE) * scales).to(dtype)
+
+
+def kv_bytes_per_token_int8(config: GPTConfig) -> int:
+    """Bytes one token adds to an int8 cache: int8 keys and values plus a scale each per key/value head per layer."""
+    per_head = config.head_dim + torch.empty((), dtype=SCALE_DTYPE).element_size()
+    return 2 * config.n_layers * config.kv_heads * per_head
