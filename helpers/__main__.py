@@ -1,5 +1,6 @@
 """Command line: `python -m helpers env [--json]`, `calibrate`, `bench-attention`, `flops`, `bench-load`, `bench-serve`,
-`bench-train`, `run-notebooks`, `record`, `sync-bootstrap`; `python -m helpers COMMAND --help` for each."""
+`bench-decode`, `bench-train`, `run-notebooks`, `record`, `sync-bootstrap`; `python -m helpers COMMAND --help` for
+each."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ SCALE_DEFAULTS = {
     "bench-serve": {"smoke": dict(model="gpt-smoke", requests=16, max_batch=4, block_size=8),
                     "cpu": dict(model="gpt-cpu", requests=64, max_batch=16, block_size=8),
                     "gpu": dict(model="gpt2-small", requests=256, max_batch=64, block_size=16)},
+    "bench-decode": {"smoke": dict(model="gpt-smoke", batch=[1, 4], positions=32),
+                     "cpu": dict(model="gpt-cpu", batch=[1, 8, 32], positions=128),
+                     "gpu": dict(model="gpt2-small", batch=[1, 16, 64], positions=512)},
     "bench-train": {"smoke": dict(model="gpt-smoke", batch=2, ctx=64, steps=2),
                     "cpu": dict(model="gpt-cpu", batch=4, ctx=128, steps=5),
                     "gpu": dict(model="gpt2-small", batch=8, ctx=1024, steps=10)},
@@ -147,6 +151,32 @@ def _bench_serve(args: argparse.Namespace) -> int:
     except ValueError as err:  # e.g. --num-blocks too small for a request: say so, no traceback
         args.command_parser.error(str(err))
     print(json.dumps(report, indent=2) if args.json else text(report))
+    return 0
+
+
+def _bench_decode(args: argparse.Namespace) -> int:
+    import torch
+
+    from .measure.calibration import load_calibration
+    from .measure.decode_bench import bench_decode, format_results, results_as_dicts
+    from .model.config import GPTConfig
+    from .model.gpt import GPT
+
+    device = fill_scale_defaults(args, "bench-decode")
+    config = GPTConfig.from_preset(args.model, dropout=0.0)
+    if args.positions + 1 > config.context_length:
+        args.command_parser.error(f"--positions {args.positions} leaves no room for a new token in {args.model}'s "
+                                  f"context of {config.context_length}; pass {config.context_length - 1} or less")
+    setups = tuple(args.setups)
+    if "int8 weights" in setups and device != "cpu":
+        args.command_parser.error("the 'int8 weights' setup runs on the CPU; pass --device cpu or leave it out of "
+                                  "--setups")
+    torch.manual_seed(0)
+    model = GPT(config).to(device).eval()
+    print("calibrating memory bandwidth (cached after the first run) ...", file=sys.stderr, flush=True)
+    calibration = load_calibration(device)
+    results = bench_decode(model, args.batch, args.positions, calibration, setups, rounds=args.rounds)
+    print(json.dumps(results_as_dicts(results), indent=2) if args.json else format_results(results))
     return 0
 
 
@@ -333,6 +363,23 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: the best available")
     serve.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     serve.set_defaults(func=_bench_serve, command_parser=serve)
+
+    from .measure.decode_bench import SETUPS
+
+    decode = commands.add_parser("bench-decode", help="one decode step per setup and batch: tokens/s and the share of "
+                                 "the calibrated memory bandwidth it uses (MBU)")
+    decode.add_argument("--model", choices=list(PRESETS),
+                        help=scale_help("bench-decode", "model", "preset, random weights"))
+    decode.add_argument("--batch", type=positive_int, nargs="+",
+                        help=scale_help("bench-decode", "batch", "batch sizes"))
+    decode.add_argument("--positions", type=positive_int,
+                        help=scale_help("bench-decode", "positions", "tokens of context when the step runs"))
+    decode.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS), metavar="SETUP",
+                        help=f"decoding setups (default: all of {', '.join(repr(s) for s in SETUPS)})")
+    decode.add_argument("--rounds", type=positive_int, default=5, help="interleaved timing rounds (default: 5)")
+    decode.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: the best available")
+    decode.add_argument("--json", action="store_true", help="a JSON list instead of a table")
+    decode.set_defaults(func=_bench_decode, command_parser=decode)
 
     from .measure.train_bench import LADDER
 

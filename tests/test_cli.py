@@ -24,6 +24,8 @@ BAD_ARGUMENTS = [
     (["bench-serve", "--repeats", "0"], "argument --repeats: invalid integer >= 1 value: '0'"),
     (["bench-serve", "--prefix-tokens", "8"], "--prefix-tokens is for --workload shared-prefix"),
     (["bench-serve", "--workload", "shared-prefix", "--prefix-tokens", "100000"], "prefix_tokens must be between"),
+    (["bench-decode", "--batch", "0"], "argument --batch: invalid integer >= 1 value: '0'"),
+    (["bench-decode", "--setups", "paged"], "argument --setups: invalid choice: 'paged'"),
     (["bench-train", "--model", "gpt-smoke", "--ctx", "65"], "pass --ctx 64 or less"),
     (["bench-train", "--ctx", "0"], "argument --ctx: invalid integer >= 1 value: '0'"),
     (["bench-train", "--batch", "0"], "argument --batch: invalid integer >= 1 value: '0'"),
@@ -63,8 +65,8 @@ def test_commands_print_no_warnings_of_the_libraries_they_use(argv):
     assert "Warning" not in done.stderr, done.stderr
 
 
-COMMANDS = ["env", "bench-attention", "flops", "bench-load", "bench-serve", "bench-train", "run-notebooks",
-            "sync-bootstrap"]
+COMMANDS = ["env", "bench-attention", "flops", "bench-load", "bench-serve", "bench-decode", "bench-train",
+            "run-notebooks", "sync-bootstrap"]
 BENCHMARK_LIBRARIES = ("fvcore", "transformers", "triton", "torchao", "matplotlib", "nbclient")
 
 

@@ -1,0 +1,151 @@
+"""Decode against its limit: tokens/s of one decode step and its model-bandwidth utilisation (MBU), per setup.
+
+A decode step must read every weight once (the LM head reads the whole tied embedding) and, with a KV cache,
+every cached key and value of every sequence, to produce one token per sequence. MBU = those bytes / step time /
+the calibrated memory bandwidth (`helpers.measure.calibration`) of the level that holds them: 100% is the roof,
+where decoding is as fast as reading its data allows. Without a cache the step recomputes every position, so
+it reads the same weights but does far more arithmetic, and its MBU shows how far it is from the memory roof.
+
+Each step runs at a fixed context: `positions` tokens are cached (or, without a cache, fed), one is added and
+the cache is truncated back, so every sample times the same work.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..inference.kv_cache import KVCache, kv_cache_bytes_per_token
+from ..inference.kv_quant import kv_bytes_per_token_int8
+from ..inference.quantization import quantize_linears
+from ..model.gpt import GPT
+from .calibration import Calibration
+from .timing import Spread, interleaved
+
+SETUPS = ("no cache", "cache", "int8 weights", "int8 KV")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, a tensor shared by two names (tied weights) counted once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers())}
+    return sum(storages.values())
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """One setup at one batch size: seconds per decode step and the bytes the step must read."""
+
+    setup: str
+    batch: int
+    positions: int  # tokens in the context of each sequence when the step runs
+    step: Spread  # seconds per step
+    bytes_per_step: int
+    bandwidth: float  # calibrated bytes/s of the memory level that holds them
+    level: str
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.step.median
+
+    @property
+    def achieved_bandwidth(self) -> float:
+        return self.bytes_per_step / self.step.median
+
+    @property
+    def mbu(self) -> float:
+        """Model-bandwidth utilisation: the step's required bytes per second over the calibrated bandwidth."""
+        return self.achieved_bandwidth / self.bandwidth
+
+
+def _decode_step(model: GPT, batch: int, positions: int, int8_kv: bool, device: torch.device) -> Callable[[], object]:
+    """One decode step at a fixed context: the cache is prefilled once, each call adds a token and truncates it."""
+    config = model.config
+    dtype = model.ln_f.weight.dtype
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, config.vocab_size, (batch, positions), generator=g).to(device)
+    token = torch.randint(0, config.vocab_size, (batch, 1), generator=g).to(device)
+    cache = KVCache(config, batch, positions + 1, dtype, device, int8=int8_kv)
+    with torch.inference_mode():
+        model(prompt, cache=cache, logits_at=torch.tensor([-1], device=device))
+
+    def step():
+        with torch.inference_mode():
+            logits = model(token, cache=cache)
+        cache.truncate(positions)
+        return logits
+
+    return step
+
+
+def _recompute_step(model: GPT, batch: int, positions: int, device: torch.device) -> Callable[[], object]:
+    """Without a cache: the whole context and the new token through the model, logits at the last position."""
+    g = torch.Generator().manual_seed(0)
+    sequence = torch.randint(0, model.config.vocab_size, (batch, positions + 1), generator=g).to(device)
+    last = torch.tensor([-1], device=device)
+
+    def step():
+        with torch.inference_mode():
+            return model(sequence, logits_at=last)
+
+    return step
+
+
+def bench_decode(model: GPT, batches: list[int], positions: int, calibration: Calibration,
+                 setups: tuple[str, ...] = SETUPS, rounds: int = 5) -> list[DecodeResult]:
+    """Time one decode step of `model` (eval, on its device) per setup and batch size, all interleaved; the
+    int8-weights setup quantizes a copy (weight-only, every Linear but the tied LM head; CPU only)."""
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown:
+        raise ValueError(f"unknown setups {unknown}; valid: {', '.join(SETUPS)}")
+    config, device = model.config, next(model.parameters()).device
+    if positions < 1 or positions + 1 > config.context_length:
+        raise ValueError(f"positions must be between 1 and {config.context_length - 1} for a context of "
+                         f"{config.context_length}, got {positions}")
+    if "int8 weights" in setups and device.type != "cpu":
+        raise ValueError("the int8-weights setup runs on the CPU (helpers.inference.quantization); leave it out on "
+                         f"{device.type}")
+    model = model.eval()
+    dtype = model.ln_f.weight.dtype
+    int8_model = quantize_linears(copy.deepcopy(model), "weight_only", skip=("lm_head",)).eval() \
+        if "int8 weights" in setups else None
+    steps, required = {}, {}
+    for batch in batches:
+        for setup in setups:
+            m = int8_model if setup == "int8 weights" else model
+            kv_per_token = kv_bytes_per_token_int8(config) if setup == "int8 KV" else kv_cache_bytes_per_token(config,
+                                                                                                              dtype)
+            cached = 0 if setup == "no cache" else batch * positions * kv_per_token
+            required[setup, batch] = weight_bytes(m) + cached
+            steps[setup, batch] = (_recompute_step(m, batch, positions, device) if setup == "no cache"
+                                   else _decode_step(m, batch, positions, setup == "int8 KV", device))
+    times = interleaved(steps, device, rounds=rounds)
+    results = []
+    for (setup, batch), spread in times.items():
+        level = calibration.level_for(required[setup, batch])
+        results.append(DecodeResult(setup, batch, positions, spread, required[setup, batch],
+                                    calibration.bandwidths[level].median, level))
+    return results
+
+
+def format_results(results: list[DecodeResult]) -> str:
+    lines = [f"one decode step at {results[0].positions} tokens of context; median (IQR) of interleaved rounds",
+             f"{'setup':<13} {'batch':>5} {'tokens/s':>10} {'ms/step (IQR)':>20} {'MB read':>9} {'GB/s':>7} "
+             f"{'roof GB/s':>10} {'MBU':>6}"]
+    for r in results:
+        q1, q3 = r.step.quartiles
+        step = f"{r.step.median * 1e3:.2f} ({q1 * 1e3:.2f}-{q3 * 1e3:.2f})"
+        lines.append(f"{r.setup:<13} {r.batch:>5} {r.tokens_per_s:>10.1f} {step:>20} {r.bytes_per_step / 1e6:>9.1f} "
+                     f"{r.achieved_bandwidth / 1e9:>7.2f} {f'{r.bandwidth / 1e9:.1f} {r.level}':>10} {r.mbu:>6.1%}")
+    return "\n".join(lines)
+
+
+def results_as_dicts(results: list[DecodeResult]) -> list[dict]:
+    return [{"setup": r.setup, "batch": r.batch, "positions": r.positions, "step_s": r.step.median,
+             "step_s_iqr": list(r.step.quartiles), "tokens_per_s": r.tokens_per_s,
+             "bytes_per_step": r.bytes_per_step, "achieved_bandwidth": r.achieved_bandwidth,
+             "bandwidth": r.bandwidth, "level": r.level, "mbu": r.mbu} for r in results]

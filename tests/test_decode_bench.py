@@ -1,0 +1,73 @@
+"""bench-decode: the bytes a decode step must read (tied weights once, the cache per sequence) and the MBU derived
+from them, against hand counts; the command line's checks. Timings are not asserted."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import GPT, GPTConfig
+from helpers.__main__ import main
+from helpers.inference.kv_cache import kv_cache_bytes_per_token
+from helpers.inference.kv_quant import kv_bytes_per_token_int8
+from helpers.inference.quantization import quantize_linears
+from helpers.measure import calibration
+from helpers.measure.decode_bench import SETUPS, bench_decode, weight_bytes
+from helpers.measure.timing import Spread
+
+CONFIG = GPTConfig(vocab_size=300, context_length=32, d_model=32, n_heads=2, n_layers=2, dropout=0.0)
+
+
+def fake_calibration():
+    return calibration.Calibration("cpu", "Test CPU", torch.__version__, torch.get_num_threads(),
+                                   {"L2": 1 << 20, "L3": 32 << 20}, {"L2": 1 << 19, "L3": 16 << 20, "DRAM": 1 << 28},
+                                   bandwidths={"L2": Spread((90e9,)), "L3": Spread((50e9,)),
+                                               "DRAM": Spread((20e9,))})
+
+
+def test_weight_bytes_count_a_tied_matrix_once():
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    assert model.lm_head.weight is model.tok_emb.weight
+    by_hand = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() yields a shared one once
+    assert weight_bytes(model) == by_hand
+    int8 = quantize_linears(GPT(CONFIG), "weight_only", skip=("lm_head",))
+    linear = sum(m.weight.numel() for n, m in GPT(CONFIG).named_modules()
+                 if isinstance(m, torch.nn.Linear) and n != "lm_head")
+    assert by_hand - weight_bytes(int8) >= 3 * linear - 4 * 4 * CONFIG.d_model * 12  # 1 byte a weight, plus scales
+
+
+def test_bytes_per_step_and_mbu_follow_from_the_cache_and_the_weights():
+    torch.manual_seed(0)
+    model = GPT(CONFIG).eval()
+    results = bench_decode(model, [1, 3], 20, fake_calibration(), rounds=1)
+    assert [(r.setup, r.batch) for r in results] == [(s, b) for b in (1, 3) for s in SETUPS]
+    for r in results:
+        kv = {"no cache": 0, "int8 KV": kv_bytes_per_token_int8(CONFIG)}.get(r.setup,
+                                                                             kv_cache_bytes_per_token(CONFIG))
+        weights = weight_bytes(model)
+        if r.setup == "int8 weights":
+            assert r.bytes_per_step - r.batch * 20 * kv < weights
+        else:
+            assert r.bytes_per_step == weights + r.batch * 20 * kv
+        assert r.level == "L2" and r.bandwidth == 90e9  # a small model's bytes fit L2, the fastest level here
+        assert r.mbu == pytest.approx(r.bytes_per_step / r.step.median / 90e9)
+        assert r.tokens_per_s == pytest.approx(r.batch / r.step.median)
+    with pytest.raises(ValueError, match="positions must be between 1 and 31"):
+        bench_decode(model, [1], 32, fake_calibration())
+    with pytest.raises(ValueError, match="unknown setups"):
+        bench_decode(model, [1], 4, fake_calibration(), setups=("paged",))
+
+
+def test_bench_decode_cli(capsys, monkeypatch):
+    monkeypatch.setattr(calibration, "load_calibration", lambda *a, **k: fake_calibration())
+    main(["bench-decode", "--model", "gpt-smoke", "--batch", "2", "--positions", "8", "--rounds", "1",
+          "--setups", "cache", "int8 KV", "--device", "cpu", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["setup"], r["batch"], r["positions"]) for r in rows] == [("cache", 2, 8), ("int8 KV", 2, 8)]
+    assert rows[0]["bytes_per_step"] > rows[1]["bytes_per_step"]  # the int8 cache is smaller to read
+    for argv, message in ((["--positions", "64"], "pass 63 or less"),
+                          (["--positions", "8", "--setups", "int8 weights", "--device", "cuda"], "runs on the CPU")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench-decode", "--model", "gpt-smoke", *argv] + ([] if "--device" in argv else ["--device", "cpu"]))
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
