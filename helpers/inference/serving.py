@@ -94,7 +94,8 @@ class ServingRun:
 
     @property
     def kv_utilization(self) -> float:
-        """Used / allocated KV slots, summed over iterations (so weighted by how long memory is held)."""
+        """Used / allocated KV slots, summed over iterations (so weighted by how long memory is held). With prefix
+        caching a shared slot is used by every sequence that reads it but allocated once, so this can exceed 1."""
         return sum(i.used_slots for i in self.iterations) / sum(i.allocated_slots for i in self.iterations)
 
     @property
