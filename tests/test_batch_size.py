@@ -91,3 +91,20 @@ def test_cpu_budget_search_with_measured_peaks():
     assert search.tried[-1] == (3, search.batch_size == 3)
     with pytest.raises(ValueError, match="budget must be positive"):
         CpuMemoryBudget(config, 64, 0)
+
+
+def test_cpu_budget_measures_checkpointing_and_the_chunked_head():
+    """Per sequence, a step with block checkpointing and the LM head in chunks adds far less than a plain one: at
+    gpt-smoke's size the logits dominate, and checkpointing keeps only each block's input."""
+    config = GPTConfig.from_preset("gpt-smoke")
+    growth = {}
+    for name, kwargs in {"plain": {}, "lean": {"checkpointing": "block", "loss_chunk": 16}}.items():
+        budget = CpuMemoryBudget(config, seq=64, budget_bytes=1 << 40, **kwargs)
+        budget(2), budget(6)
+        growth[name] = (budget.peaks[6] - budget.peaks[2]) / 4
+    assert growth["plain"] > 3 * 64 * 50257 * 4
+    assert growth["lean"] < growth["plain"] / 3
+    with pytest.raises(ValueError, match="unknown activation checkpointing"):
+        CpuMemoryBudget(config, 64, 1 << 30, checkpointing="most")
+    with pytest.raises(ValueError, match="loss_chunk must be 1 or more"):
+        CpuMemoryBudget(config, 64, 1 << 30, loss_chunk=0)

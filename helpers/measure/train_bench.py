@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from ..model.config import PRESETS, GPTConfig
 from ..model.gpt import GPT
+from ..model.lm_head import chunk_tokens_for
 from ..model.loading import tie_weights
 from ..system.device import (
     DeviceCapabilities,
@@ -68,6 +69,7 @@ class StepSettings:
     vocab_multiple: int = 1  # the embedding / LM head rows rounded up to a multiple of this
     accumulation: int = 1  # micro-batches per optimizer step
     compile: bool = False  # model and loss under torch.compile
+    loss_chunk: int | None = None  # tokens per chunk of the LM head and loss (GPT.loss_sum); None: the plain head
 
     @property
     def tokens_per_step(self) -> int:
@@ -132,10 +134,21 @@ def _compile(caps: DeviceCapabilities, s: StepSettings) -> tuple[StepSettings | 
     return dataclasses.replace(s, compile=True), "torch.compile(model + loss): fused elementwise kernels"
 
 
-LADDER = ("baseline", "tf32", "fused_adamw", "autocast", "sdpa", "pad_vocab", "accumulation", "compile")
+def _chunked_head(caps: DeviceCapabilities, s: StepSettings, vocab_size: int) -> tuple[StepSettings | None, str]:
+    tokens = s.batch * s.ctx
+    if tokens == 1:
+        return None, "a micro-batch of one token: nothing to split"
+    chunk = min(chunk_tokens_for(vocab_size), 1 << (tokens - 1).bit_length() - 1)  # two chunks at least
+    return (dataclasses.replace(s, loss_chunk=chunk),
+            f"LM head + cross-entropy {chunk} tokens at a time, gradients computed as they go: the "
+            f"{s.batch} x {s.ctx} x vocab logits are never materialised (transformers' GPT-2 has no such step)")
+
+
+LADDER = ("baseline", "tf32", "fused_adamw", "autocast", "sdpa", "pad_vocab", "accumulation", "compile",
+          "chunked_head")
 LABELS = {"baseline": "fp32 baseline", "tf32": "TF32 matmuls", "fused_adamw": "fused AdamW",
           "autocast": "bf16 autocast", "sdpa": "SDPA (flash)", "pad_vocab": "vocab padded to 64",
-          "accumulation": "batch x{n} by accumulation", "compile": "torch.compile"}
+          "accumulation": "batch x{n} by accumulation", "compile": "torch.compile", "chunked_head": "chunked LM head"}
 
 
 def plan_ladder(caps: DeviceCapabilities, batch: int, ctx: int, accumulation: int = 4,
@@ -149,7 +162,8 @@ def plan_ladder(caps: DeviceCapabilities, batch: int, ctx: int, accumulation: in
     current = StepSettings(batch=batch, ctx=ctx)
     rules = {"tf32": _tf32, "fused_adamw": _fused_adamw, "autocast": _autocast, "sdpa": _sdpa,
              "pad_vocab": lambda c, s: _pad_vocab(c, s, vocab_size),
-             "accumulation": lambda c, s: _accumulate(c, s, accumulation), "compile": _compile}
+             "accumulation": lambda c, s: _accumulate(c, s, accumulation), "compile": _compile,
+             "chunked_head": lambda c, s: _chunked_head(c, s, vocab_size)}
     rungs = [Rung("baseline", LABELS["baseline"], current,
                   "fp32, textbook attention (softmax(QK^T)V materialised), PyTorch's default AdamW")]
     for name in LADDER[1 : None if until is None else LADDER.index(until) + 1]:
@@ -210,7 +224,8 @@ def ladder_step(model: nn.Module, settings: StepSettings, vocab_size: int,
     transformers'."""
     optimizer = torch.optim.AdamW(model.train().parameters(), lr=lr, fused=True if settings.fused_adamw else None)
     return TrainingStep(model, optimizer, autocast=parse_dtype(settings.autocast) if settings.autocast else None,
-                        compile=settings.compile, forward=forward, vocab_size=vocab_size)
+                        compile=settings.compile, vocab_size=vocab_size, loss_chunk=settings.loss_chunk,
+                        forward=None if settings.loss_chunk is not None else forward)
 
 
 def restart(step: TrainingStep, state: dict[str, torch.Tensor], settings: StepSettings) -> None:
@@ -412,17 +427,19 @@ class Ladder:
             peer = transformers_peer(initial)
         except (ImportError, ValueError) as err:
             return {**out, "status": "unavailable", "note": str(err)}
+        same = dataclasses.replace(s, loss_chunk=None)  # transformers' GPT-2 has no chunked head: the plain one
         steps = {"ours": ours,
-                 "transformers_eager": self._step(peer, dataclasses.replace(s, compile=False), peer_logits)}
+                 "transformers_eager": self._step(peer, dataclasses.replace(same, compile=False), peer_logits)}
         if s.compile:
-            steps["transformers_compiled"] = self._step(copy.deepcopy(peer), s, peer_logits)
+            steps["transformers_compiled"] = self._step(copy.deepcopy(peer), same, peer_logits)
         warm = {name: warm_up(step, self.warmup) for name, step in steps.items()}
         rounds = timed_rounds(steps, self.steps, self.device)
         tokens = {name: s.tokens_per_step / statistics.median(seconds) for name, (seconds, _) in rounds.items()}
         spread = {name: Spread(tuple(seconds)).map(lambda t: s.tokens_per_step / t)
                   for name, (seconds, _) in rounds.items()}
         peer_name = "transformers_compiled" if s.compile else "transformers_eager"
-        out |= {"status": "ok", "note": "transformers trained with our best rung's settings, timed interleaved",
+        out |= {"status": "ok",
+                "note": "transformers trained with our best rung's settings (those it has), timed interleaved",
                 "ours_tokens_per_s": tokens["ours"],
                 "transformers_eager_tokens_per_s": tokens["transformers_eager"],
                 "transformers_compiled_tokens_per_s": tokens.get("transformers_compiled"),

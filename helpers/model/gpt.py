@@ -13,8 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import CausalSelfAttention, KVCacheView, check_attn_implementation
+from .checkpointing import check_checkpointing, checkpointed
 from .config import GPTConfig
 from .decoding import Sampling, check_decoding, check_prompt, check_token_ids
+from .lm_head import chunked_cross_entropy
 from .rope import rope_angles
 
 
@@ -114,6 +116,7 @@ class GPT(nn.Module):
             TransformerBlock(config, attn_implementation, layer_idx=i) for i in range(config.n_layers)
         )
         self.ln_f = norm_layer(config)
+        self.activation_checkpointing: str | None = None  # see set_activation_checkpointing
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.tok_emb.weight
@@ -161,6 +164,17 @@ class GPT(nn.Module):
         A pipeline stage (`helpers.parallel.pipeline.pipeline_stage`) has no embeddings before its first stage and
         no head after its last: it then takes and returns activations (batch, seq, d_model).
         """
+        x = self.hidden_states(idx, cache)
+        if self.lm_head is None:
+            return x
+        if logits_at is not None:
+            x = x[:, logits_at]
+        return self.lm_head(self.ln_f(x))
+
+    def hidden_states(self, idx: torch.Tensor, cache: KVCacheView | None = None) -> torch.Tensor:
+        """The last block's output (batch, seq, d_model), before the final norm and the LM head. In training, with
+        activation checkpointing on (`set_activation_checkpointing`), each block's activations are recomputed in
+        the backward instead of kept."""
         if self.tok_emb is not None:
             x = self.embed(idx, cache)
         elif idx.dim() != 3 or idx.size(-1) != self.config.d_model:
@@ -172,15 +186,29 @@ class GPT(nn.Module):
         if self.config.position_encoding == "rope":
             pos = self.positions(x.size(1), x.device, cache)
             rope = rope_angles(pos, self.config.head_dim, self.config.rope_theta)
+        recompute = (self.activation_checkpointing is not None and cache is None and self.training
+                     and torch.is_grad_enabled())
         for block in self.blocks:
-            x = block(x, cache, rope)
+            x = checkpointed(block, x, rope, self.activation_checkpointing) if recompute else block(x, cache, rope)
         if cache is not None:
             cache.advance(x.size(1))
-        if self.lm_head is None:
-            return x
-        if logits_at is not None:
-            x = x[:, logits_at]
-        return self.lm_head(self.ln_f(x))
+        return x
+
+    def loss_sum(self, idx: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                 vocab_size: int | None = None) -> torch.Tensor:
+        """Next-token cross-entropy summed over the targets (IGNORE_INDEX skipped), with the LM head applied
+        `chunk_tokens` tokens at a time (`helpers.model.lm_head`): the (batch, seq, vocab) logits never exist.
+        vocab_size: only the first rows of a padded head are classes."""
+        hidden = self.ln_f(self.hidden_states(idx))
+        return chunked_cross_entropy(hidden, self.lm_head.weight, targets, chunk_tokens, vocab_size)
+
+    def set_activation_checkpointing(self, mode: str | None) -> GPT:
+        """Recompute activations in the backward instead of keeping them: "block" keeps each block's input only,
+        "selective" also keeps the outputs of its matmuls and attention (`helpers.model.checkpointing`); None keeps
+        everything. Gradients are unchanged."""
+        check_checkpointing(mode)
+        self.activation_checkpointing = mode
+        return self
 
     @staticmethod
     def positions(seq: int, device: torch.device, cache: KVCacheView | None = None) -> torch.Tensor:

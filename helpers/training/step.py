@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model.lm_head import IGNORE_INDEX
 from ..system.device import needs_grad_scaler
-
-IGNORE_INDEX = -100  # targets with this id (padding) carry no loss, as in F.cross_entropy
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
@@ -89,25 +88,31 @@ class TrainingStep:
     autocast: the forward's autocast dtype, None for plain fp32. grad_clip: max global gradient norm (None: no
     clipping); measure_grad_norm: compute the norm even without clipping. compile: `torch.compile` the forward and
     loss. forward: (model, token ids) -> logits, for a model that returns something else (transformers' GPT-2).
-    vocab_size: only the first logits are classes (a padded LM head).
+    vocab_size: only the first logits are classes (a padded LM head). loss_chunk: apply the LM head and the loss
+    this many tokens at a time (`GPT.loss_sum`), so the logits are never materialised whole.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, autocast: torch.dtype | None = None,
                  grad_clip: float | None = None, measure_grad_norm: bool = False, compile: bool = False,
                  forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, loss_chunk: int | None = None) -> None:
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip must be positive or None, got {grad_clip}")
         self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
         self.measure_grad_norm = measure_grad_norm or grad_clip is not None
         self.device_type = next(model.parameters()).device.type
         self.autocast, self.vocab_size = autocast, vocab_size
-        self.forward = forward or (lambda m, x: m(x))
+        if loss_chunk is not None and forward is not None:
+            raise ValueError("loss_chunk needs the model's own chunked loss (GPT.loss_sum); a custom forward "
+                             "returns logits, so pass one or the other")
+        self.forward, self.loss_chunk = forward or (lambda m, x: m(x)), loss_chunk
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=needs_grad_scaler(autocast))
         self.loss_sum = torch.compile(self._loss_sum) if compile else self._loss_sum
 
     def _loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast_context(self.device_type, self.autocast):
+            if self.loss_chunk is not None:
+                return self.model.loss_sum(x, y, self.loss_chunk, self.vocab_size)
             logits = self.forward(self.model, x)
         return token_loss_sum(logits, y, self.vocab_size)
 
