@@ -68,6 +68,17 @@ def test_a_plan_on_meta_matches_the_same_steps_run_on_cpu(config, autocast, impl
                                  fused_attention=fused)
     measured = training_step_plan(config, 4, seq, autocast=autocast, attn_implementation=implementation, device="cpu")
     assert planned.peak_bytes == pytest.approx(measured.peak_bytes, rel=0.02)
+    if fused or autocast is not None:
+        with pytest.raises(ValueError, match="in fp32 with fused_attention=False"):
+            training_step_plan(config, 4, seq, autocast=autocast, fused_attention=fused, checkpointing="block")
+        return
+    lean = {"checkpointing": "block", "loss_chunk": 32}  # recomputed blocks and the chunked head, on both sides
+    planned_lean = training_step_plan(config, 4, seq, autocast=autocast, attn_implementation=implementation,
+                                      fused_attention=fused, **lean)
+    measured_lean = training_step_plan(config, 4, seq, autocast=autocast, attn_implementation=implementation,
+                                       device="cpu", **lean)
+    assert planned_lean.peak_bytes == pytest.approx(measured_lean.peak_bytes, rel=0.02)
+    assert measured_lean.peak_bytes < measured.peak_bytes
     # equal bytes, up to AdamW's scalar step counters (torch 2.8 on meta leaves them out: 4 bytes per tensor)
     counters = 8 * len(list(helpers.GPT(config).parameters()))
     assert planned.end_bytes == pytest.approx(measured.end_bytes, abs=counters)

@@ -187,11 +187,17 @@ def plan_memory(work: Callable[[], object], *, device: str = "meta", fused_atten
 @functools.lru_cache(maxsize=256)  # a plan replays the whole step: notebooks and tests ask for the same ones
 def training_step_plan(config: GPTConfig, batch: int, seq: int, *, autocast: torch.dtype | None = None,
                        micro_batches: int = 1, fused_attention: bool = True, attn_implementation: str = "sdpa",
-                       steps: int = 2, device: str = "meta") -> MemoryPlan:
+                       steps: int = 2, device: str = "meta", checkpointing: str | None = None,
+                       loss_chunk: int | None = None) -> MemoryPlan:
     """The memory of `steps` training steps of `GPT(config)`: `micro_batches` forward and backward passes of
     (batch, seq) tokens each (the loss in fp32 at least, as `TrainingStep` computes it), gradient clipping, then
     AdamW (the multi-tensor implementation a GPU uses). `end_bytes`: weights and optimizer state.
-    device: "meta" plans (see `plan_memory`); "cpu" runs the steps and measures them."""
+    device: "meta" plans (see `plan_memory`); "cpu" runs the steps and measures them. checkpointing: the model's
+    activation checkpointing (`GPT.set_activation_checkpointing`); loss_chunk: the LM head and loss in chunks of
+    that many tokens (`GPT.loss_sum`)."""
+    if checkpointing is not None and device == "meta" and (fused_attention or autocast is not None):
+        raise ValueError("plan activation checkpointing in fp32 with fused_attention=False (or on a real device): "
+                         "the plan's stand-ins for autocast and fused attention do not reach the recomputation")
 
     def precision():
         if autocast is None:
@@ -199,15 +205,21 @@ def training_step_plan(config: GPTConfig, batch: int, seq: int, *, autocast: tor
         return AutocastPlan(autocast) if device == "meta" else torch.autocast(device, dtype=autocast)
 
     def work():
-        model = GPT(config, attn_implementation=attn_implementation)
+        model = GPT(config, attn_implementation=attn_implementation).set_activation_checkpointing(checkpointing)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         x = torch.zeros(batch, seq, dtype=torch.long)
         for _ in range(steps):
             for _ in range(micro_batches):
                 with precision():
-                    logits = model(x)
-                loss = token_loss_sum(logits, x) / (batch * seq * micro_batches)
-                del logits
+                    if loss_chunk is not None:
+                        summed = model.loss_sum(x, x, loss_chunk)
+                    else:
+                        logits = model(x)
+                if loss_chunk is None:
+                    summed = token_loss_sum(logits, x)
+                    del logits
+                loss = summed / (batch * seq * micro_batches)
+                del summed
                 loss.backward()
                 del loss
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
