@@ -79,6 +79,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
+# torch.compile traces the Function correctly from torch 2.13 (tested); 2.8 mixes bf16 and fp32 operands inside it
+# under autocast, so older releases run it eagerly: a graph break, the same results.
+TRACEABLE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
                           vocab_size: int | None = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """sum over tokens of cross_entropy(hidden @ weight.T, targets), without the whole logits tensor.
@@ -105,3 +110,6 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         return _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), chunk_tokens,
                                                 vocab_size, ignore_index, compute_dtype)
 
+
+if not TRACEABLE:
+    chunked_cross_entropy = torch.compiler.disable(chunked_cross_entropy)
