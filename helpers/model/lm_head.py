@@ -14,6 +14,7 @@ take the same step in fused GPU kernels.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -84,6 +85,20 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 TRACEABLE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
+def _apply(hidden, weight, targets, chunk_tokens, vocab_size, ignore_index, compute_dtype):
+    device_type = hidden.device.type
+    autocast = torch.amp.is_autocast_available(device_type)  # not on "meta", where memory plans replay a step
+    with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
+        return _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), chunk_tokens,
+                                                vocab_size, ignore_index, compute_dtype)
+
+
+@functools.cache
+def _eager_apply():
+    """_apply behind torch.compiler.disable, made on first use: disable imports dynamo, and with it triton."""
+    return torch.compiler.disable(_apply)
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
                           vocab_size: int | None = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """sum over tokens of cross_entropy(hidden @ weight.T, targets), without the whole logits tensor.
@@ -102,14 +117,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     if not 1 <= vocab_size <= weight.size(0):
         raise ValueError(f"vocab_size={vocab_size} is outside 1..{weight.size(0)} (the head's rows)")
     device_type = hidden.device.type
-    autocast = torch.amp.is_autocast_available(device_type)  # not on "meta", where memory plans replay a step
     compute_dtype = hidden.dtype
-    if autocast and torch.is_autocast_enabled(device_type):
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
-    with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
-        return _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), chunk_tokens,
-                                                vocab_size, ignore_index, compute_dtype)
+    apply = _eager_apply() if not TRACEABLE and torch.compiler.is_compiling() else _apply
+    return apply(hidden, weight, targets, chunk_tokens, vocab_size, ignore_index, compute_dtype)
 
-
-if not TRACEABLE:
-    chunked_cross_entropy = torch.compiler.disable(chunked_cross_entropy)
