@@ -42,8 +42,11 @@ def kv_groups(q: torch.Tensor, k: torch.Tensor) -> int:
     """Query heads per key/value head: 1 for multi-head attention, more for grouped-query attention (GQA).
 
     Under torch.jit.trace (fvcore counts FLOPs that way) sizes are traced tensors; head counts are constants of the
-    model, so reading them as numbers is exact, and the tracer's warning that it might not be is silenced.
+    model, so reading them as numbers is exact, and the tracer's warning that it might not be is silenced. Only
+    there: torch.compile cannot trace a change of warning filters and would split the graph at every layer.
     """
+    if not torch.jit.is_tracing():
+        return q.size(1) // k.size(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         return int(q.size(1)) // int(k.size(1))

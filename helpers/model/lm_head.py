@@ -74,7 +74,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.grads
-        del ctx.grads
+        ctx.grads = None  # not `del`: torch.compile traces only setting a context's attributes
         grad_hidden = grad_hidden.mul_(grad_total.to(grad_hidden.dtype))  # in place: used once
         grad_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
