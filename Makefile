@@ -1,11 +1,20 @@
-# Two commands do everything: `make course` (run every notebook headless into reports/) and
-# `make test` (lint + unit tests + every notebook at smoke scale). Both create or reuse .venv.
+# `make course` runs the lessons headless into reports/, `make test` lints and runs every test (every notebook at
+# smoke scale included), `make test-fast` the in-process unit tests while you work. All create or reuse .venv.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Parallel test workers: one per core, at most 4 (each holds a model or a notebook kernel in memory).
+WORKERS ?= $(shell $(PYTHON) -c 'import os; print(max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)))')
+NOTEBOOKS := $(sort $(wildcard ch*/*.ipynb))
+SOLUTIONS := $(filter %/solutions.ipynb,$(NOTEBOOKS))
+LESSONS := $(filter-out %/solutions.ipynb,$(NOTEBOOKS))
+PARALLEL := -n $(WORKERS) --dist loadgroup
+# What CI needs to see: the 25 slowest tests, and a test stuck past 15 minutes stopped by name.
+REPORT := --durations=25 --timeout=900
+FAST := not (notebook or distributed or subprocess or compile or slow or serial)
 
-.PHONY: setup course record lab test lint check sync-bootstrap clean
+.PHONY: setup course solutions record lab test test-fast check sync-bootstrap clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
@@ -19,8 +28,11 @@ $(STAMP): $(BIN)/python requirements.txt pyproject.toml
 
 setup: $(STAMP)  ## create .venv and install everything
 
-course: $(STAMP)  ## execute every notebook headless into reports/ (COURSE_SMOKE=1 for the smoke scale)
-	$(BIN)/python -m helpers run-notebooks --out reports
+course: $(STAMP)  ## execute the lessons headless into reports/ (COURSE_SMOKE=1 for the smoke scale)
+	$(BIN)/python -m helpers run-notebooks --out reports $(LESSONS)
+
+solutions: $(STAMP)  ## execute every chapter's solutions notebook headless into reports/
+	$(BIN)/python -m helpers run-notebooks --out reports $(SOLUTIONS)
 
 record: $(STAMP)  ## re-record every notebook in place at the default scale, one at a time, refusing a busy machine
 	$(BIN)/python -m helpers record
@@ -28,9 +40,13 @@ record: $(STAMP)  ## re-record every notebook in place at the default scale, one
 lab: $(STAMP)  ## open the course in JupyterLab
 	$(BIN)/jupyter lab
 
-test: $(STAMP)  ## ruff + pytest (unit tests and every notebook at smoke scale)
+test: $(STAMP)  ## ruff + every test: in parallel workers, then the timing- and memory-sensitive ones alone
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PARALLEL) $(REPORT) -m "not serial"
+	$(BIN)/python -m pytest $(REPORT) -m serial
+
+test-fast: $(STAMP)  ## the in-process unit tests (no notebooks, torchrun, subprocesses or compiles): a few minutes
+	$(BIN)/python -m pytest $(PARALLEL) -m "$(FAST)"
 
 check: $(STAMP)  ## [OK]/[FAIL] per requirement and capability
 	$(BIN)/python setup/check_env.py

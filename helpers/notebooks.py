@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+from traitlets.config import Config
 
 from .measure.claims import claims_in_text
 from .system.files import atomic_path
@@ -72,6 +74,11 @@ def find_notebooks(root: Path = ROOT) -> list[Path]:
     """Every course notebook, in chapter order."""
     return sorted(p for p in root.glob("ch*/**/*.ipynb")
                   if not any(part.startswith(".") for part in p.relative_to(root).parts))  # checkpoints, temporaries
+
+
+def is_solutions(path: Path) -> bool:
+    """A chapter's solutions notebook (worked answers to its exercises), as opposed to a lesson."""
+    return path.name == "solutions.ipynb"
 
 
 def colab_link(path: Path, url: str = REPOSITORY_URL, revision: str = REVISION, root: Path = ROOT) -> str:
@@ -181,12 +188,19 @@ def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
         number = sum(c.cell_type == "code" for c in nb.cells[: cell_index + 1])  # as a learner counts them
         running[0] = f"code cell {number} ({first_line!r})"
 
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", on_cell_start=started,
+    # The kernel talks to this process over Unix domain sockets where there are some: no TCP port is opened (and
+    # ipykernel has no plain-text TCP channel to warn about). Their files go to a short absolute path (the kernel
+    # runs in the notebook's folder; a socket path has at most ~100 characters).
+    sockets = tempfile.TemporaryDirectory(prefix="kernel-")
+    unix = {"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets.name, "ipc")}}
+    local = unix if os.name == "posix" else {}
+    client = NotebookClient(nb, config=Config(local), timeout=timeout, kernel_name="python3", on_cell_start=started,
                             resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
     error = None
     try:
-        client.execute(env=env)
+        with sockets:
+            client.execute(env=env)
     except CellExecutionError as err:
         error = str(err)
     except CellTimeoutError:
@@ -240,20 +254,23 @@ README_SECTIONS = {  # what `python -m helpers record` writes into the README, b
 
 
 def recorded_times_table(paths: list[Path], root: Path = ROOT) -> str:
-    """The README's table of each notebook's last recording: wall time, machine, threads, torch, date."""
+    """The README's table of each notebook's last recording: wall time, machine, threads, torch, date; then the
+    minutes of the lessons (what `make course` runs), of the solutions (`make solutions`) and of both."""
     rows = ["| notebook | minutes | machine | threads | torch | recorded |", "|---|---:|---|---:|---|---|"]
-    total = 0.0
+    seconds = {"lessons": 0.0, "solutions": 0.0}
     for path in paths:
         meta = nbformat.read(path, as_version=4).metadata.get("course")
         name = path.resolve().relative_to(root).as_posix()
         if meta is None:
             rows.append(f"| `{name}` | not recorded | | | | |")
             continue
-        total += meta["wall_seconds"]
+        seconds["solutions" if is_solutions(path) else "lessons"] += meta["wall_seconds"]
         bf16 = ", native bf16" if meta.get("bf16_native") else ""
         rows.append(f"| `{name}` | {meta['wall_seconds'] / 60:.1f} | {meta['machine']} ({meta['device']}{bf16}) | "
                     f"{meta['threads']} | {meta['torch']} | {meta['recorded']} |")
-    rows.append(f"| all | {total / 60:.0f} | | | | |")
+    rows += [f"| lessons (`make course`) | {seconds['lessons'] / 60:.0f} | | | | |",
+             f"| solutions (`make solutions`) | {seconds['solutions'] / 60:.0f} | | | | |",
+             f"| all | {sum(seconds.values()) / 60:.0f} | | | | |"]
     return "\n".join(rows)
 
 

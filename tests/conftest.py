@@ -1,10 +1,154 @@
-"""Test-session setup that must happen before anything imports Triton."""
+"""Test tiers, assigned here by rules rather than test by test, and the per-process set-up of a test run.
 
+Markers (registered in pyproject.toml; `--strict-markers` refuses any other):
+  notebook      executes a notebook in a Jupyter kernel            (module rule: the notebook runs)
+  distributed   launches torchrun workers over gloo                 (fixture rule: `torchrun`)
+  subprocess    starts another Python process                       (fixture rule: `python_process`; or marked)
+  compile       calls torch.compile                                 (marked on the test)
+  slow          the full cross-products behind a representative set (marked on the test)
+  serial        measures time or memory of processes: runs alone, after the parallel run (marked on the test)
+  versions      can depend on the versions installed: compile, DTensor and pipelining, torchao, transformers,
+                FlexAttention, the Triton interpreter, torch's private APIs (module rule below; compile and
+                distributed imply it). The lowest- and newest-version CI legs run only these.
+  versionless   cannot depend on any library's version: layout, notebook hygiene, bootstrap, README tables,
+                CLI parsing (module rule below)
+
+`make test` runs every tier; `make test-fast` the in-process unit tests (no notebook, distributed, subprocess,
+compile, slow or serial test).
+"""
+
+from __future__ import annotations
+
+import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
-# Without a GPU, Triton kernels run only in Triton's interpreter, which must be switched on before
-# triton is first imported: then the registry tests cover `flash_triton` like every other implementation.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from helpers.parallel.launch import launch
+
+# test module -> markers for every test in it
+MODULE_MARKERS = {
+    # results that depend on versions of torch or of a peer library
+    "test_attention": ("versions",),  # FlexAttention, the Triton interpreter, a dispatch-mode recorder
+    "test_checkpointing": ("versions",),  # torch's selective-checkpoint policy, a dispatch-mode counter
+    "test_decoding": ("versions",),  # transformers' logits processors
+    "test_flash_triton": ("versions",),  # Triton's interpreter and compiler
+    "test_flops": ("versions",),  # fvcore, FlopCounterMode, fake tensors
+    "test_lm_head": ("versions",),  # a custom autograd Function under autocast; dispatch-mode byte counts
+    "test_loading": ("versions",),  # torch.load(mmap=True), safetensors
+    "test_memory_plan": ("versions",),  # fake tensors and a dispatch mode (torch's private APIs)
+    "test_modern": ("versions",),  # transformers' Llama and Qwen3
+    "test_quantization": ("versions",),  # torchao, torch._int_mm
+    "test_step": ("versions",),  # torch.compile, transformers' loss
+    "test_train_bench": ("versions",),  # torch.compile, transformers' GPT-2 as the peer
+    "test_weights": ("versions",),  # transformers' GPT2LMHeadModel
+    # results that no library's version can change
+    "test_layout": ("versionless",),
+    "test_project": ("versionless",),
+    "test_record": ("versionless",),
+}
+# test function -> markers, where a module holds tests of several kinds
+FUNCTION_MARKERS = {
+    "test_notebook_runs_at_smoke_scale": ("notebook",),
+    "test_notebook_is_committed_clean": ("versionless",),
+    "test_the_readme_links_every_lesson_to_colab": ("versionless",),
+    "test_sync_bootstrap_inserts_updates_and_is_idempotent": ("versionless",),
+    "test_bootstrap_outside_a_clone_without_network_says_what_to_do": ("versionless",),
+    "test_bootstrap_inside_a_clone_uses_the_clone_as_it_is": ("versionless",),
+    "test_terminal_text_keeps_the_last_redraw_of_each_line": ("versionless",),
+    "test_run_notebooks_records_a_stuck_or_dead_notebook_and_runs_the_next": ("subprocess", "serial"),
+    "test_bad_arguments_are_usage_errors": ("versionless",),
+    "test_scale_defaults_are_written_once_and_shown_by_help": ("versionless",),
+    "test_chapter_scripts_name_the_model_as_the_command_line_does": ("versionless",),
+    "test_help_imports_no_benchmark_library": ("versions",),  # what torch and its plugins import at start-up
+    "test_commands_print_no_warnings_of_the_libraries_they_use": ("versions",),  # their deprecations
+}
+# fixture -> markers for every test that uses it, directly or through another fixture
+FIXTURE_MARKERS = {"torchrun": ("distributed",), "python_process": ("subprocess",)}
+IMPLIES = {"compile": ("versions",), "distributed": ("versions",)}
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # parallel workers: one thread each, for their children too
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
+    interpret_triton_in_this_process()
+
+
+def interpret_triton_in_this_process() -> None:
+    """Without a GPU, Triton kernels run only in Triton's interpreter, which must be on when triton is imported:
+    then the registry tests cover `flash_triton` like every other implementation. Switched on for this process
+    alone (triton's own setting), not in the environment, so torchrun workers, command-line calls, scripts and
+    notebooks run as a user's do; tests that need the interpreter elsewhere pass TRITON_INTERPRET=1 themselves."""
+    if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton
+
+    if getattr(triton, "knobs", None) is None:  # an older triton reads only the environment: leave it set
+        return
+    triton.knobs.runtime.interpret = True
+    del os.environ["TRITON_INTERPRET"]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        names = [*MODULE_MARKERS.get(module, ()), *FUNCTION_MARKERS.get(item.originalname, ())]
+        names += [m for fixture in item.fixturenames for m in FIXTURE_MARKERS.get(fixture, ())]
+        names += [m.name for m in item.iter_markers()]
+        names += [implied for name in names for implied in IMPLIES.get(name, ())]
+        for name in dict.fromkeys(names):
+            if item.get_closest_marker(name) is None:
+                item.add_marker(name)
+        if shares_a_module_fixture(item):
+            # tests sharing a module-scoped result (a torchrun launch, an interpreter run) go to one worker, so
+            # the result is computed once (`--dist loadgroup`)
+            item.add_marker(pytest.mark.xdist_group(module))
+    # the long ones first (notebooks, then the groups sharing a launch): workers take tests in this order, so the
+    # run ends on short unit tests that fill both workers rather than on one notebook with the other idle
+    items.sort(key=lambda item: 0 if item.get_closest_marker("notebook") else
+               1 if item.get_closest_marker("xdist_group") else 2)
+
+
+def shares_a_module_fixture(item) -> bool:
+    """Whether the test uses a fixture its own module defines with a scope wider than one test."""
+    module_id = item.nodeid.partition("::")[0]
+    definitions = item._fixtureinfo.name2fixturedefs  # pytest exposes the resolved fixtures only here
+    return any(d[-1].baseid == module_id and d[-1].scope != "function" for d in definitions.values())
+
+
+@pytest.fixture(scope="session")
+def torchrun():
+    """`helpers.parallel.launch.launch`: runs a script on several processes under torchrun."""
+    return launch
+
+
+@pytest.fixture(scope="session")
+def python_process():
+    """Run `python ARGS...` in a fresh interpreter (this one's), capturing text output."""
+
+    def run(*args: str | Path, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                              **kwargs)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def chapter_script():
+    """Import a chapter's script (`ch05_training/gpu_benchmark.py`) as a module, to call its `main(argv)` here."""
+    root = Path(__file__).resolve().parents[1]
+
+    def load(relative: str):
+        path = root / relative
+        spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

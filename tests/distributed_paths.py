@@ -1,7 +1,7 @@
 """Run under torchrun by tests/test_forward_paths.py: every way of splitting the GPT across 2 ranks (tensor parallel
 from scratch, with DTensor, pipeline stages), for each feed-forward and attention implementation, against the
 single-process model's logits and gradients, in float64 (float32 for a kernel without float64). Rank 0 writes one
-JSON row per combination."""
+JSON row per combination to the path given first; the attention implementations to run follow it (default: all)."""
 
 import copy
 import json
@@ -73,7 +73,7 @@ def main() -> None:
     x, y = (torch.randint(CONFIG.vocab_size, (3, CONFIG.context_length), generator=generator) for _ in range(2))
     rows = []
     for ffn in ("gelu", "swiglu"):
-        for name in IMPLEMENTATIONS:
+        for name in sys.argv[2:] or IMPLEMENTATIONS:
             dtype = torch.float64 if unavailable_reason(name, "cpu", torch.float64) is None else torch.float32
             torch.manual_seed(0)
             base = GPT(GPTConfig(**{**CONFIG.__dict__, "ffn_type": ffn}), attn_implementation=name).to(dtype)

@@ -5,9 +5,6 @@ import copy
 import importlib.metadata
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -141,12 +138,10 @@ def test_which_sdpa_backend_ran_on_cpu():
     assert "dropout" in flash_refusal(q, q, q, is_causal=True, dropout_p=0.5)
 
 
-def test_bench_attention_cli_json():
-    out = subprocess.run(
-        [sys.executable, "-m", "helpers", "bench-attention", "--batch", "1", "--seq", "32", "--d-model", "32",
-         "--heads", "2", "--mode", "fwdbwd", "--json", "--min-run-time", "0.01", "--only", "sdpa", "eager",
-         "flex_attention", "flash_attention_2"],
-        capture_output=True, text=True, check=True).stdout
+def test_bench_attention_cli_json(python_process):
+    out = python_process("-m", "helpers", "bench-attention", "--batch", "1", "--seq", "32", "--d-model", "32",
+                         "--heads", "2", "--mode", "fwdbwd", "--json", "--min-run-time", "0.01", "--only", "sdpa",
+                         "eager", "flex_attention", "flash_attention_2", check=True).stdout
     rows = {r["name"]: r for r in json.loads(out)}
     assert set(rows) == {"sdpa", "eager", "flex_attention", "flash_attention_2"}
     for row in rows.values():
@@ -158,6 +153,7 @@ def test_bench_attention_cli_json():
         assert rows["flash_attention_2"]["status"] == "skipped" and rows["flash_attention_2"]["reason"]
 
 
+@pytest.mark.compile
 def test_compiled_bench_compiles_every_implementation_past_the_recompile_limit():
     from helpers.measure.attention_bench import make_step
 
@@ -178,6 +174,8 @@ def test_compiled_bench_compiles_every_implementation_past_the_recompile_limit()
         assert len(graphs) > before, f"{name} at seq {seq} ran eagerly instead of compiled"
 
 
+@pytest.mark.subprocess  # each implementation's peak RSS is measured in a fresh process
+@pytest.mark.serial
 def test_tiled_and_fused_attention_peak_memory_is_a_fraction_of_eager():
     from helpers.measure.attention_bench import bench_attention
 
@@ -189,10 +187,9 @@ def test_tiled_and_fused_attention_peak_memory_is_a_fraction_of_eager():
     assert rows["sdpa"] < rows["eager"] / 5
 
 
-def test_gpu_benchmark_script_runs_in_smoke_mode(tmp_path):
-    script = Path(__file__).resolve().parents[1] / "ch03_attention" / "gpu_benchmark.py"
-    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], check=True,
-                   capture_output=True, text=True)
+@pytest.mark.compile
+def test_gpu_benchmark_script_runs_in_smoke_mode(chapter_script, tmp_path):
+    chapter_script("ch03_attention/gpu_benchmark.py").main(["--smoke", "--out", str(tmp_path)])
     (result,) = tmp_path.glob("attention_*.json")
     run = json.loads(result.read_text())
     assert set(run["modes"]) == {"fwd", "fwdbwd", "compiled"}

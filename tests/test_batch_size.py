@@ -77,6 +77,8 @@ def test_training_step_trains_and_a_failed_step_leaves_no_gradients(monkeypatch)
     assert largest_batch_size(fits, limit=8).batch_size == 2
 
 
+@pytest.mark.subprocess  # each peak is measured in a fresh process
+@pytest.mark.serial
 def test_cpu_budget_search_with_measured_peaks():
     """Real measurements: each peak is a fresh process building the model and running two training steps."""
     config = GPTConfig.from_preset("gpt-smoke")  # 64 tokens x 50257 logits: tens of MB of activations per sequence
@@ -93,6 +95,8 @@ def test_cpu_budget_search_with_measured_peaks():
         CpuMemoryBudget(config, 64, 0)
 
 
+@pytest.mark.subprocess
+@pytest.mark.serial
 def test_cpu_budget_measures_checkpointing_and_the_chunked_head():
     """Per sequence, a step with block checkpointing and the LM head in chunks adds far less than a plain one: at
     gpt-smoke's size the logits dominate, and checkpointing keeps only each block's input."""

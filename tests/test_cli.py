@@ -1,8 +1,5 @@
 """`python -m helpers`: every argument is checked by the parser, before any work, with a one-line error and exit 2."""
 
-import subprocess
-import sys
-
 import pytest
 
 from helpers.__main__ import main
@@ -48,19 +45,18 @@ def test_bad_arguments_are_usage_errors(capsys, argv, message):
     assert "Traceback" not in err
 
 
-def test_a_usage_error_exits_2_without_a_traceback_from_the_shell():
-    done = subprocess.run([sys.executable, "-m", "helpers", "bench-load", "--repeats", "0"], capture_output=True,
-                          text=True, timeout=120)
+def test_a_usage_error_exits_2_without_a_traceback_from_the_shell(python_process):
+    done = python_process("-m", "helpers", "bench-load", "--repeats", "0", timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].endswith("argument --repeats: invalid integer >= 1 value: '0'")
 
 
 @pytest.mark.parametrize("argv", [["env"], ["flops", "--model", "gpt-smoke", "--batch", "1", "--ctx", "8"],
                                   ["bench-load", "--help"]])
-def test_commands_print_no_warnings_of_the_libraries_they_use(argv):
+def test_commands_print_no_warnings_of_the_libraries_they_use(python_process, argv):
     """What a user sees, with Python's default warning filters (torch 2.14 turned a deprecation of fvcore's into a
     FutureWarning, which is shown)."""
-    done = subprocess.run([sys.executable, "-m", "helpers", *argv], capture_output=True, text=True, timeout=300)
+    done = python_process("-m", "helpers", *argv)
     assert done.returncode == 0, done.stderr
     assert "Warning" not in done.stderr, done.stderr
 
@@ -70,17 +66,19 @@ COMMANDS = ["env", "bench-attention", "flops", "bench-load", "bench-serve", "ben
 BENCHMARK_LIBRARIES = ("fvcore", "transformers", "triton", "torchao", "matplotlib", "nbclient")
 
 
-def test_help_imports_no_benchmark_library():
+def test_help_imports_no_benchmark_library(python_process):
     """`--help` answers in about the time of `import torch`: building the parser imports no benchmark library
-    (fvcore, transformers, triton: seconds each). One fresh process per command, as a user runs it."""
-    script = ("import sys\nfrom helpers.__main__ import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
-              f"    pass\nprint('imported:', *(m for m in {BENCHMARK_LIBRARIES!r} if m in sys.modules))")
-    for command in COMMANDS:
-        done = subprocess.run([sys.executable, "-c", script, command, "--help"], capture_output=True, text=True,
-                              timeout=120)
-        assert done.returncode == 0, done.stderr
-        imported = done.stdout.strip().splitlines()[-1]
-        assert imported == "imported:", f"{command} --help {imported}"
+    (fvcore, transformers, triton: seconds each). One fresh process asks every command's help in turn and lists,
+    after each, the libraries imported so far: a command that imports one shows it on its own line first."""
+    script = ("import sys\nfrom helpers.__main__ import main\nfor command in sys.argv[1:]:\n    try:\n"
+              "        main([command, '--help'])\n    except SystemExit:\n        pass\n"
+              f"    print(command, 'imported:', *(m for m in {BENCHMARK_LIBRARIES!r} if m in sys.modules))")
+    done = python_process("-c", script, *COMMANDS, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if " imported:" in line]
+    assert [line.split()[0] for line in lines] == COMMANDS, done.stdout[-2000:]
+    for line in lines:
+        assert line.endswith("imported:"), f"--help of {line}"
 
 
 def test_scale_defaults_are_written_once_and_shown_by_help(capsys, monkeypatch):

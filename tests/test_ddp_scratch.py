@@ -19,7 +19,6 @@ from helpers.parallel.data_parallel import (
     assign_buckets,
     trainable_parameters,
 )
-from helpers.parallel.launch import launch
 from helpers.parallel.zero import ZeroRedundancyAdamW, shard_range
 from helpers.training.step import lm_loss
 
@@ -34,10 +33,10 @@ FLOAT64 = 8  # bytes
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(torchrun, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp_from_scratch") / "result.json"
-    launch(CH07 / "ddp_from_scratch.py", ["--out", out, *TINY, "--dtype", "float64", "--steps", STEPS, "--warmup", 1,
-                                          "--bucket-mb", 0.25, "--zero-steps", 3], nproc=WORLD, timeout=240)
+    torchrun(CH07 / "ddp_from_scratch.py", ["--out", out, *TINY, "--dtype", "float64", "--steps", STEPS, "--warmup", 1,
+                                            "--bucket-mb", 0.25, "--zero-steps", 3], nproc=WORLD, timeout=240)
     return json.loads(out.read_text())
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -118,20 +117,19 @@ print(json.dumps({"lazy": lazy, "raised": raised, "off": off, "late": late, "sha
 """
 
 
-def run_python(script: str, *args: str, interpret: bool) -> dict:
+def run_python(python_process, script: str, *args: str, interpret: bool) -> dict:
     """Run `script` in a fresh Python (with or without TRITON_INTERPRET=1); its last stdout line is JSON."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = python_process("-c", script, *args, cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
-def interpreted():
-    return run_python(KERNEL_SCRIPT, json.dumps({case_id(c): c for c in CASES}), interpret=True)
+def interpreted(python_process):
+    return run_python(python_process, KERNEL_SCRIPT, json.dumps({case_id(c): c for c in CASES}), interpret=True)
 
 
 @needs_triton
@@ -149,8 +147,8 @@ def test_reasons_under_the_interpreter(interpreted):
 
 
 @pytest.fixture(scope="module")
-def not_interpreted():
-    return run_python(NO_INTERPRETER_SCRIPT, interpret=False)
+def not_interpreted(python_process):
+    return run_python(python_process, NO_INTERPRETER_SCRIPT, interpret=False)
 
 
 @needs_triton

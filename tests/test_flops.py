@@ -3,8 +3,6 @@
 import dataclasses
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -219,9 +217,9 @@ def test_throughput_counts_tokens_and_model_flops(mode):
 # ---- command line and GPU script ----
 
 
-def test_cli_json_reports_the_three_counters():
-    done = subprocess.run([sys.executable, "-m", "helpers", "flops", "--model", "gpt2-small", "--batch", "2",
-                           "--ctx", "1024", "--json"], capture_output=True, text=True, check=True, cwd=ROOT)
+def test_cli_json_reports_the_three_counters(python_process):
+    done = python_process("-m", "helpers", "flops", "--model", "gpt2-small", "--batch", "2", "--ctx", "1024", "--json",
+                          check=True, cwd=ROOT)
     report = json.loads(done.stdout)
     assert report["analytic"] == 583_296_614_400
     assert report["fvcore"] == pytest.approx(report["analytic"], rel=0.01)
@@ -237,10 +235,8 @@ def test_cli_text(capsys):
     assert "fvcore" in capsys.readouterr().out
 
 
-def test_gpu_benchmark_script_runs_in_smoke_mode(tmp_path):
-    script = ROOT / "ch04_flops" / "gpu_benchmark.py"
-    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], check=True,
-                   capture_output=True, text=True)
+def test_gpu_benchmark_script_runs_in_smoke_mode(chapter_script, tmp_path):
+    chapter_script("ch04_flops/gpu_benchmark.py").main(["--smoke", "--out", str(tmp_path)])
     (result,) = tmp_path.glob("flops_*.json")
     run = json.loads(result.read_text())
     assert run["smoke"] and [r["preset"] for r in run["presets"]] == ["gpt-smoke"]
@@ -252,14 +248,10 @@ def test_gpu_benchmark_script_runs_in_smoke_mode(tmp_path):
     assert list(tmp_path.glob("flops_*.png"))
 
 
-def test_gpu_benchmark_reports_a_preset_that_does_not_fit(monkeypatch):
-    import importlib.util
-
+def test_gpu_benchmark_reports_a_preset_that_does_not_fit(chapter_script, monkeypatch):
     from helpers.measure.batch_size import BatchSizeError
 
-    spec = importlib.util.spec_from_file_location("gpu_benchmark", ROOT / "ch04_flops" / "gpu_benchmark.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = chapter_script("ch04_flops/gpu_benchmark.py")
 
     def nothing_fits(fits, limit):
         raise BatchSizeError("batch size 1 does not fit: use a smaller model")

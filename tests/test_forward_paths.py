@@ -1,7 +1,10 @@
 """One model, one forward pass: every path that runs the GPT (KV cache, paged serving engine, tensor parallel from
 scratch and with DTensor, pipeline stages) runs the model's own forward, so it honours `attn_implementation` and
 `ffn_type`. Each path, for each feed-forward and each attention implementation that supports it, against
-`GPT.forward` in float64 (float32 for a kernel without float64); the others are refused with the reason."""
+`GPT.forward` in float64 (float32 for a kernel without float64); the others are refused with the reason.
+
+Every tier runs one kernel of each family (projections written out by hand, a kernel that takes a mask, one that
+does not, one refused on CPU); the other kernels are marked `slow`, which `make test` runs too."""
 
 import dataclasses
 import json
@@ -14,11 +17,12 @@ from helpers import GPT, GPTConfig
 from helpers.inference.kv_cache import KVCache, generate_with_cache
 from helpers.inference.serving import Request, serve
 from helpers.model.attention import IMPLEMENTATIONS, unavailable_reason
-from helpers.parallel.launch import launch
 
 CONFIG = GPTConfig(vocab_size=61, context_length=16, d_model=48, n_heads=4, n_layers=2, dropout=0.0)
 FFNS = ("gelu", "swiglu")
 TOLERANCE = {"torch.float64": 1e-10, "torch.float32": 1e-5}
+REPRESENTATIVES = ("stacked", "sdpa", "flash_torch", "flex_attention")
+KERNELS = [pytest.param(name, marks=() if name in REPRESENTATIVES else pytest.mark.slow) for name in IMPLEMENTATIONS]
 
 
 def dtype_for(name: str) -> torch.dtype:
@@ -34,7 +38,7 @@ def forward_reason(name: str) -> str | None:
     return unavailable_reason(name, "cpu", dtype_for(name))
 
 
-@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", KERNELS)
 @pytest.mark.parametrize("ffn", FFNS)
 def test_kv_cache_path(ffn, name):
     if forward_reason(name) is not None:
@@ -56,7 +60,7 @@ def test_kv_cache_path(ffn, name):
     assert torch.equal(generate_with_cache(model, idx[:, :5], 6), model.generate(idx[:, :5], 6))
 
 
-@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", KERNELS)
 @pytest.mark.parametrize("ffn", FFNS)
 def test_paged_engine_path(ffn, name):
     if forward_reason(name) is not None:
@@ -77,13 +81,17 @@ def test_paged_engine_path(ffn, name):
 
 
 @pytest.fixture(scope="module")
-def distributed_paths(tmp_path_factory):
+def distributed_paths(request, torchrun, tmp_path_factory):
+    """One torchrun launch for the kernels of the selected tests (the representatives, or all of them)."""
+    names = sorted({item.callspec.params["name"] for item in request.session.items
+                    if item.originalname == "test_distributed_path"})
     out = tmp_path_factory.mktemp("paths") / "rows.json"
-    launch(Path(__file__).with_name("distributed_paths.py"), [out], nproc=2, timeout=600)
+    env = {"TRITON_INTERPRET": "1"} if "flash_triton" in names and not torch.cuda.is_available() else None
+    torchrun(Path(__file__).with_name("distributed_paths.py"), [out, *names], nproc=2, timeout=600, env=env)
     return {(r["path"], r["ffn"], r["impl"]): r for r in json.loads(out.read_text())}
 
 
-@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", KERNELS)
 @pytest.mark.parametrize("ffn", FFNS)
 @pytest.mark.parametrize("path", ["tensor_parallel", "dtensor", "pipeline"])
 def test_distributed_path(distributed_paths, path, ffn, name):

@@ -2,7 +2,6 @@
 a kernel the GPU lacks) is recorded in the JSON and the run goes on, and the JSON is rewritten after every item, so
 a run that stops early keeps the items before. Driven in-process on CPU at smoke size, with items made to fail."""
 
-import importlib.util
 import json
 import subprocess
 import weakref
@@ -16,16 +15,6 @@ from helpers.measure.batch_size import BatchSizeError
 from helpers.model.config import PRESETS
 from helpers.system.device import REFERENCE_DEVICES
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script(relative: str):
-    path = ROOT / relative
-    spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def written(out: Path) -> dict:
     (path,) = out.glob("*.json")
@@ -37,13 +26,14 @@ def written(out: Path) -> dict:
 
 @pytest.mark.parametrize("device, dtype", [("t4", "float16"), ("a100", "bfloat16"), ("h100", "bfloat16"),
                                            ("cpu-no-bf16", "float32")])
-def test_attention_benchmark_runs_in_the_gpus_native_half_precision(device, dtype):
+def test_attention_benchmark_runs_in_the_gpus_native_half_precision(chapter_script, device, dtype):
     """bf16 on a T4 is emulated, and SDPA's fused kernels refuse it below sm_80 (SDPA would time its math kernel)."""
-    assert load_script("ch03_attention/gpu_benchmark.py").default_dtype(REFERENCE_DEVICES[device]) == dtype
+    assert chapter_script("ch03_attention/gpu_benchmark.py").default_dtype(REFERENCE_DEVICES[device]) == dtype
 
 
-def test_attention_benchmark_records_a_failing_item_and_goes_on(tmp_path, monkeypatch):
-    script = load_script("ch03_attention/gpu_benchmark.py")
+@pytest.mark.compile  # the script's compiled mode
+def test_attention_benchmark_records_a_failing_item_and_goes_on(chapter_script, tmp_path, monkeypatch):
+    script = chapter_script("ch03_attention/gpu_benchmark.py")
     bench, make_step = script.bench_attention, script.make_step
 
     def bench_attention(batch, seq, d_model, heads, dtype, device, mode, *args, **kwargs):
@@ -67,8 +57,9 @@ def test_attention_benchmark_records_a_failing_item_and_goes_on(tmp_path, monkey
     assert list(tmp_path.glob("attention_*.png"))
 
 
-def test_attention_benchmark_saves_after_every_item(tmp_path, monkeypatch):
-    script = load_script("ch03_attention/gpu_benchmark.py")
+@pytest.mark.compile
+def test_attention_benchmark_saves_after_every_item(chapter_script, tmp_path, monkeypatch):
+    script = chapter_script("ch03_attention/gpu_benchmark.py")
     bench = script.bench_attention
 
     def bench_attention(batch, *args, **kwargs):
@@ -86,8 +77,8 @@ def test_attention_benchmark_saves_after_every_item(tmp_path, monkeypatch):
 # ---- ch04: FLOPs and MFU ----
 
 
-def test_flops_benchmark_records_a_failing_preset_and_operation_and_goes_on(tmp_path, monkeypatch):
-    script = load_script("ch04_flops/gpu_benchmark.py")
+def test_flops_benchmark_records_a_failing_preset_and_operation_and_goes_on(chapter_script, tmp_path, monkeypatch):
+    script = chapter_script("ch04_flops/gpu_benchmark.py")
     bench_preset, time_operation = script.bench_preset, script.time_operation
 
     def failing_bench_preset(name, *args, **kwargs):
@@ -126,10 +117,10 @@ def fail_rungs(monkeypatch, error: BaseException, when) -> None:
     monkeypatch.setattr(train_bench, "ladder_step", failing)
 
 
-def test_training_benchmark_saves_after_every_rung(tmp_path, monkeypatch):
+def test_training_benchmark_saves_after_every_rung(chapter_script, tmp_path, monkeypatch):
     fail_rungs(monkeypatch, KeyboardInterrupt(), lambda s: s.accumulation > 1)  # the session ends at that rung
     with pytest.raises(KeyboardInterrupt):
-        load_script("ch05_training/gpu_benchmark.py").main(["--smoke", "--out", str(tmp_path)])
+        chapter_script("ch05_training/gpu_benchmark.py").main(["--smoke", "--out", str(tmp_path)])
     report = written(tmp_path)
     assert [r["name"] for r in report["rungs"]] == list(train_bench.LADDER[:train_bench.LADDER.index("accumulation")])
     # on a CPU the rungs are timed together once all are set up (interleaved); a GPU measures each in turn (below)
@@ -148,10 +139,10 @@ def test_each_rung_is_in_the_report_as_soon_as_it_is_measured():
         assert last["status"] == "skipped" or (last["status"] == "ok" and last["tokens_per_s"] > 0)
 
 
-def test_training_benchmark_writes_why_when_no_rung_ran(tmp_path, monkeypatch):
+def test_training_benchmark_writes_why_when_no_rung_ran(chapter_script, tmp_path, monkeypatch):
     """Every rung out of memory (batch 32 on a T4): the JSON and the plot still say what happened to each."""
     fail_rungs(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB"), lambda s: True)
-    load_script("ch05_training/gpu_benchmark.py").main(["--smoke", "--out", str(tmp_path)])
+    chapter_script("ch05_training/gpu_benchmark.py").main(["--smoke", "--out", str(tmp_path)])
     report = written(tmp_path)
     applied = [r for r in report["rungs"] if r["status"] != "skipped"]
     assert applied and all(r["status"] == "error" and "CUDA out of memory" in r["note"] for r in applied)
@@ -159,8 +150,8 @@ def test_training_benchmark_writes_why_when_no_rung_ran(tmp_path, monkeypatch):
     assert "no rung ran" in report["transformers"]["note"] and list(tmp_path.glob("train_speed_*.png"))
 
 
-def test_default_batch_is_the_largest_power_of_two_that_fits():
-    script = load_script("ch05_training/gpu_benchmark.py")
+def test_default_batch_is_the_largest_power_of_two_that_fits(chapter_script):
+    script = chapter_script("ch05_training/gpu_benchmark.py")
     assert script.default_batch(lambda batch: batch <= 7) == 4  # e.g. a T4: 8 sequences of 1024 do not fit in fp32
     assert script.default_batch(lambda batch: batch <= 8) == 8
     assert script.default_batch(lambda batch: True) == script.MAX_DEFAULT_BATCH
@@ -175,9 +166,9 @@ def test_default_batch_is_the_largest_power_of_two_that_fits():
     ("ch04_flops/gpu_benchmark.py", ["--max-batch", "0"]),
     ("ch04_flops/gpu_benchmark.py", ["--min-run-time", "0"]),
 ])
-def test_benchmark_scripts_refuse_bad_sizes_before_any_work(capsys, script, flags):
+def test_benchmark_scripts_refuse_bad_sizes_before_any_work(chapter_script, capsys, script, flags):
     with pytest.raises(SystemExit) as exit_:
-        load_script(script).main(flags)
+        chapter_script(script).main(flags)
     assert exit_.value.code == 2 and "invalid" in capsys.readouterr().err.strip().splitlines()[-1]
 
 

@@ -4,8 +4,6 @@ import dataclasses
 import importlib
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -184,17 +182,15 @@ def test_bench_rejects_bad_arguments():
         load_bench.bench_load(TINY, repeats=0)
 
 
-def test_cli_json_and_mmap_peak_below_baseline():
+@pytest.mark.serial  # peak RSS of fresh processes
+def test_cli_json_and_mmap_peak_below_baseline(python_process):
     """Fresh processes, a 26 MB checkpoint: loading it the textbook way peaks at about two copies, mapped at one.
 
     Expected: baseline ~2.0x the checkpoint, the mapped strategies ~1.1x (the weights plus the 3 MB of logits of the
     forward pass that touches them). The math library's one-time buffers (~10 MB on the first LM-head-sized GEMM on
     some CPUs) are set up by the warm-up run, so they do not blur the ratio; an extra copy makes it ~0.7x."""
-    done = subprocess.run(
-        [sys.executable, "-m", "helpers", "bench-load", "--model", "gpt-smoke", "--json", "--repeats", "2",
-         "--only", "baseline", "mmap_assign", "safetensors_file"],
-        capture_output=True, text=True, check=True, timeout=300,
-    )
+    done = python_process("-m", "helpers", "bench-load", "--model", "gpt-smoke", "--json", "--repeats", "2",
+                          "--only", "baseline", "mmap_assign", "safetensors_file", check=True)
     rows = {r["strategy"]: r for r in json.loads(done.stdout)}
     assert list(rows) == ["baseline", "mmap_assign", "safetensors_file"]
     for row in rows.values():

@@ -28,7 +28,7 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_runs_at_smoke_scale(path, tmp_path, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # run as a learner would (conftest sets it for unit tests)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # run as a learner would (an old triton's tests set it)
     run = execute_notebook(path, tmp_path / path.name, smoke=True, timeout=300)
     assert run.error is None, run.error[-4000:]
 
@@ -106,17 +106,18 @@ def test_sync_bootstrap_inserts_updates_and_is_idempotent(tmp_path):
     assert cells[0].source.count("Open in Colab") == 1 and "github/fork/course/blob" in cells[0].source
 
 
-def run_bootstrap(cwd, url="https://example.invalid/course", env=None):
+@pytest.fixture
+def run_bootstrap(python_process):
     """The bootstrap cell as a script, in a folder (on Colab: /content)."""
     import os
-    import subprocess
-    import sys
 
-    return subprocess.run([sys.executable, "-c", bootstrap_source(url)], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})})
+    def run(cwd, url="https://example.invalid/course", env=None):
+        return python_process("-c", bootstrap_source(url), cwd=cwd, env={**os.environ, **(env or {})})
+
+    return run
 
 
-def test_bootstrap_outside_a_clone_without_network_says_what_to_do(tmp_path):
+def test_bootstrap_outside_a_clone_without_network_says_what_to_do(run_bootstrap, tmp_path):
     """A fresh runtime that cannot reach the repository: one message with the reason and what to do, no
     traceback, and nothing half-installed."""
     done = run_bootstrap(tmp_path, url=str(tmp_path / "no-such-repository"))
@@ -127,7 +128,7 @@ def test_bootstrap_outside_a_clone_without_network_says_what_to_do(tmp_path):
     assert not (tmp_path / "gpt-from-scratch-fast" / "helpers").exists()
 
 
-def test_bootstrap_inside_a_clone_uses_the_clone_as_it_is(tmp_path):
+def test_bootstrap_inside_a_clone_uses_the_clone_as_it_is(run_bootstrap, tmp_path):
     """In a notebook's folder of a clone: nothing is installed or cloned, the clone's helpers are imported even when
     a stray helpers.py sits in the working folder or an installed `helpers` points elsewhere."""
     done = run_bootstrap(ROOT / "ch02_text")

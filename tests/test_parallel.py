@@ -27,9 +27,9 @@ TOL64 = 1e-10
 WORLD = 2
 
 
-def run_script(tmp_path_factory, name: str, *args: str) -> dict:
+def run_script(torchrun, tmp_path_factory, name: str, *args: str) -> dict:
     out = tmp_path_factory.mktemp(name) / "result.json"
-    launch(CH07 / f"{name}.py", ["--out", out, *TINY, *args], nproc=WORLD, timeout=240)
+    torchrun(CH07 / f"{name}.py", ["--out", out, *TINY, *args], nproc=WORLD, timeout=240)
     return json.loads(out.read_text())
 
 
@@ -52,8 +52,8 @@ def close(measured: int, expected: float, rel: float = 0.02) -> bool:
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    return run_script(tmp_path_factory, "ddp", "--steps", "3", "--accumulation", "2", "--dtype", "float64")
+def ddp(torchrun, tmp_path_factory):
+    return run_script(torchrun, tmp_path_factory, "ddp", "--steps", "3", "--accumulation", "2", "--dtype", "float64")
 
 
 @pytest.mark.parametrize("variant", ["ddp", "ddp_ring", "accum_no_sync", "accum_sync_every_micro", "ddp_adamw"])
@@ -87,8 +87,8 @@ def test_ddp_sends_the_ring_all_reduce_volume(ddp):
 
 
 @pytest.fixture(scope="module")
-def tp(tmp_path_factory):
-    return run_script(tmp_path_factory, "tensor_parallel", "--batch", "4")
+def tp(torchrun, tmp_path_factory):
+    return run_script(torchrun, tmp_path_factory, "tensor_parallel", "--batch", "4")
 
 
 @pytest.mark.parametrize("variant", ["from_scratch", "dtensor"])
@@ -123,8 +123,8 @@ def test_tensor_parallel_splits_each_layer_while_ddp_replicates_it(tp):
 
 
 @pytest.fixture(scope="module")
-def pp(tmp_path_factory):
-    return run_script(tmp_path_factory, "pipeline_parallel", "--batch", "4", "--micro", "2",
+def pp(torchrun, tmp_path_factory):
+    return run_script(torchrun, tmp_path_factory, "pipeline_parallel", "--batch", "4", "--micro", "2",
                       "--bubble-micro", "2", "--repeats", "1")
 
 
@@ -163,8 +163,8 @@ def test_gpipe_timeline_runs_all_forwards_then_backwards_in_dependency_order(pp)
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory):
-    return run_script(tmp_path_factory, "fsdp", "--strategy", "fsdp", "--steps", "3", "--dtype", "float64")
+def fsdp(torchrun, tmp_path_factory):
+    return run_script(torchrun, tmp_path_factory, "fsdp", "--strategy", "fsdp", "--steps", "3", "--dtype", "float64")
 
 
 def test_fsdp_equals_single_process_training(fsdp):
@@ -183,14 +183,15 @@ def test_fsdp_holds_half_the_training_state_of_ddp(fsdp):
 # ---- the launcher ----
 
 
-def test_launch_reports_the_failing_ranks_error(tmp_path):
+def test_launch_reports_the_failing_ranks_error(torchrun, tmp_path):
     script = tmp_path / "fails.py"
     script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('rank 1 fails on purpose')\n")
     with pytest.raises(DistributedRunError, match="rank 1 fails on purpose"):
-        launch(script, nproc=WORLD, timeout=60)
+        torchrun(script, nproc=WORLD, timeout=60)
 
 
-def test_launch_kills_a_hanging_run_and_shows_where_each_rank_waits(tmp_path):
+@pytest.mark.serial  # its timeouts assume the machine is not shared with other tests
+def test_launch_kills_a_hanging_run_and_shows_where_each_rank_waits(torchrun, tmp_path):
     """A rank waits for a message its peer never sends. The stacks can only be shown once both workers are past
     setup(), which on a loaded machine may take longer than the timeout, and a busy machine may not run a signalled
     worker in time: then the run is tried again with twice the timeout. Every attempt must kill every worker."""
@@ -207,7 +208,7 @@ def test_launch_kills_a_hanging_run_and_shows_where_each_rank_waits(tmp_path):
             old.unlink()
         start = time.perf_counter()
         with pytest.raises(DistributedRunError, match="did not finish within") as failure:
-            launch(script, nproc=WORLD, timeout=timeout)
+            torchrun(script, nproc=WORLD, timeout=timeout)
         assert time.perf_counter() - start < timeout + 60  # killed soon after the timeout
         for pid in (int(p.read_text()) for p in tmp_path.glob("pid*")):  # every worker that started is gone
             with pytest.raises(ProcessLookupError):
@@ -218,11 +219,12 @@ def test_launch_kills_a_hanging_run_and_shows_where_each_rank_waits(tmp_path):
     pytest.fail("no attempt showed both ranks' stacks; the last message:\n" + messages[-1][:3000])
 
 
-def test_a_run_killed_before_its_workers_reach_setup_says_so(tmp_path):
+@pytest.mark.serial
+def test_a_run_killed_before_its_workers_reach_setup_says_so(torchrun, tmp_path):
     script = tmp_path / "slow_start.py"  # as a worker still importing on a busy machine
     script.write_text("import time\ntime.sleep(600)\n")
     with pytest.raises(DistributedRunError, match=f"{WORLD} of {WORLD} worker processes had not reached setup"):
-        launch(script, nproc=WORLD, timeout=5)
+        torchrun(script, nproc=WORLD, timeout=5)
 
 
 def test_failure_message_shows_the_first_ranks_traceback_and_every_ranks_last_line():
@@ -282,14 +284,10 @@ def test_pipeline_stages_cover_the_layers_and_reject_dropout():
         pipeline_stage(GPT(GPTConfig(vocab_size=32, context_length=8, d_model=16, n_heads=2, n_layers=2)), 0, 2)
 
 
-def test_fsdp_counts_the_peak_of_the_training_steps_once(monkeypatch):
+def test_fsdp_counts_the_peak_of_the_training_steps_once(chapter_script, monkeypatch):
     """On CUDA the peak is what the steps add above the model, plus the model: never plus the optimizer state the
     steps created, which the peak already holds (that counted AdamW's moments twice)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ch07_fsdp", CH07 / "fsdp.py")
-    fsdp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fsdp)
+    fsdp = chapter_script("ch07_parallel/fsdp.py")
     memory = {"allocated": 100, "peak": 100}  # a fake CUDA allocator holding a 100-byte model
 
     def allocate(n: int) -> None:

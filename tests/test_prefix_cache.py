@@ -5,8 +5,6 @@ greedy per request in float64, with the prefill it saved counted exactly."""
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -223,12 +221,11 @@ def test_shared_prefix_workload_shares_exactly_its_prefix_and_fits_the_context()
         shared_prefix_workload(4, 512, 449, token_ids=token_ids)
 
 
-def test_bench_serve_shared_prefix_json_counts_the_prefill_it_saved():
+def test_bench_serve_shared_prefix_json_counts_the_prefill_it_saved(python_process):
     env = {**os.environ, "COURSE_SMOKE": "1"}
     command = ["bench-serve", "--workload", "shared-prefix", "--json", "--requests", "6", "--max-batch", "2",
                "--repeats", "1", "--prefix-tokens", "24", "--device", "cpu"]
-    done = subprocess.run([sys.executable, "-m", "helpers", *command], capture_output=True, text=True, check=True,
-                          cwd=REPO_ROOT, env=env)
+    done = python_process("-m", "helpers", *command, check=True, cwd=REPO_ROOT, env=env)
     report = json.loads(done.stdout)
     assert report["shared_prefix_tokens"] >= 24 and report["token_identical"] is True
     assert report["cached_tokens_no_sharing"] == 0 and report["prefix_hit_rate_no_sharing"] == 0

@@ -32,11 +32,8 @@ def test_package_dependencies_match_requirements_txt():
         assert pinned.get(name.lower()) == spec, f"{dep} differs from requirements.txt"
 
 
-def test_helpers_import_from_anywhere(tmp_path):
-    import subprocess
-
-    out = subprocess.run([sys.executable, "-c", "import helpers; print(helpers.GPT.__name__)"],
-                         cwd=tmp_path, capture_output=True, text=True, check=True)
+def test_helpers_import_from_anywhere(python_process, tmp_path):
+    out = python_process("-c", "import helpers; print(helpers.GPT.__name__)", cwd=tmp_path, check=True)
     assert out.stdout.strip() == "GPT"
 
 

@@ -230,12 +230,8 @@ def test_torchao_gpt_matches_ours_and_unties_the_head():
     "from helpers.inference.quantization import import_torchao; import_torchao()",
     "import helpers, torchao",  # as transformers imports it when it saves or loads a model
 ])
-def test_torchao_imports_without_the_expected_log_lines(code):
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", code + "; print('imported')"], capture_output=True, text=True,
-                          check=True)
+def test_torchao_imports_without_the_expected_log_lines(python_process, code):
+    done = python_process("-c", code + "; print('imported')", check=True)
     assert done.stdout.strip() == "imported"
     if torch.version.cuda is None:
         assert "Failed to load" not in done.stderr and "register_constant" not in done.stderr

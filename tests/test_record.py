@@ -75,7 +75,9 @@ def test_readme_tables_of_times_and_claims(tmp_path):
     nbformat.write(nb, paths[0])
     times = notebooks.recorded_times_table(paths, root=tmp_path)
     assert "| `0.ipynb` | 1.5 | Test CPU (cpu) | 2 | 2.13.0 | 2026-12-01 |" in times
-    assert "| `1.ipynb` | not recorded |" in times and times.endswith("| all | 2 | | | | |")
+    assert "| `1.ipynb` | not recorded |" in times
+    assert times.splitlines()[-3:] == ["| lessons (`make course`) | 2 | | | | |",
+                                       "| solutions (`make solutions`) | 0 | | | | |", "| all | 2 | | | | |"]
     assert notebooks.notebook_claims(paths[0]) == [(True, "✓ A beats B: 2.0x"), (False, "✗ C | D: 0.9x")]
     claims = notebooks.claims_table(paths, root=tmp_path)
     assert claims.splitlines()[2:] == ["| `0.ipynb` | ✓ A beats B: 2.0x |", "| `0.ipynb` | ✗ C / D: 0.9x |"]

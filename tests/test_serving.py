@@ -5,8 +5,6 @@ block tables vs contiguous attention in float64, and every engine's tokens vs `G
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -313,11 +311,10 @@ def test_bench_serve_cli_says_when_the_cache_is_too_small(capsys):
     assert "but the cache has only 1; give the engine more num_blocks" in capsys.readouterr().err
 
 
-def test_bench_serve_json_has_consistent_keys():
+def test_bench_serve_json_has_consistent_keys(python_process):
     env = {**os.environ, "COURSE_SMOKE": "1"}
     command = ["bench-serve", "--json", "--requests", "4", "--max-batch", "2", "--repeats", "1", "--device", "cpu"]
-    done = subprocess.run([sys.executable, "-m", "helpers", *command], capture_output=True, text=True, check=True,
-                          cwd=ROOT, env=env)
+    done = python_process("-m", "helpers", *command, check=True, cwd=ROOT, env=env)
     report = json.loads(done.stdout)
     assert report["model"] == "gpt-smoke" and report["requests"] == 4 and report["block_size"] == 8
     assert report["throughput_ratio"] == pytest.approx(report["tokens_per_s_continuous"]

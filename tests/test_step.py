@@ -95,6 +95,7 @@ def test_a_failed_step_leaves_no_gradients():
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.compile
 @pytest.mark.parametrize("n_kv_heads", [None, 1])
 @pytest.mark.parametrize("loss_chunk", [None, 8])
 def test_the_compiled_loss_is_one_graph(attn, n_kv_heads, loss_chunk):

@@ -159,6 +159,7 @@ def test_a_damaged_cache_file_is_measured_again(cache, monkeypatch):
     assert json.loads(path.read_text())["device_name"] == "Test CPU"
 
 
+@pytest.mark.serial  # times operations against a calibration measured in the same run
 def test_no_elementwise_operation_runs_far_above_its_roof(cache):
     """The old single main-memory roof put a cached residual add at 229% of its roof; against the roof of its
     working set's level, none may pass it by much (the margin covers the copy probe's write-allocate traffic

@@ -2,6 +2,7 @@
 exact resume from an atomic checkpoint."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -303,3 +304,22 @@ def test_a_scaler_assigned_to_the_trainer_is_the_one_its_steps_use(tmp_path):
     trainer.train_step()
     assert trainer.training_step.scaler is scaler
     assert scaler.get_scale() == 2.0**39  # the overflowing step was skipped and the scale halved
+
+
+def test_a_step_the_scaler_skips_does_not_advance_the_schedule(tmp_path):
+    """The learning-rate schedule counts updates: after a skipped fp16 step it stays where it was (and PyTorch's
+    warning about `lr_scheduler.step()` before `optimizer.step()` is not raised); a step taken advances it."""
+    trainer = make_trainer(tmp_path, "float16")
+    c = trainer.config
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=1)  # the first step overflows
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.train_step()
+    assert trainer.scaler.get_scale() == 2.0**39 and trainer.scheduler.last_epoch == 0
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(learning_rate(0, c.lr, c.steps, c.warmup_steps,
+                                                                                  c.min_lr, c.schedule))
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    trainer.train_step()
+    assert trainer.scheduler.last_epoch == 1
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(learning_rate(1, c.lr, c.steps, c.warmup_steps,
+                                                                                  c.min_lr, c.schedule))

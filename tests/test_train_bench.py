@@ -4,9 +4,6 @@ import copy
 import dataclasses
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 from statistics import median
 
 import pytest
@@ -32,7 +29,6 @@ from helpers.system.device import REFERENCE_DEVICES, detect_capabilities
 
 # A vocabulary that is not a multiple of 64, so the padding rung applies (97 -> 128).
 TINY = GPTConfig(vocab_size=97, context_length=32, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_model(seed: int = 0) -> GPT:
@@ -305,11 +301,10 @@ def test_bench_train_refuses_sizes_that_cannot_run(kwargs, message):
         bench_train("gpt-smoke", device="cpu", **sizes)
 
 
-def test_gpu_benchmark_script_runs_in_smoke_mode(tmp_path):
+@pytest.mark.compile
+def test_gpu_benchmark_script_runs_in_smoke_mode(chapter_script, tmp_path):
     """The GPU script's code path at tiny size on CPU: every rung, torch.compile included, and the peer race."""
-    script = ROOT / "ch05_training" / "gpu_benchmark.py"
-    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], check=True,
-                   capture_output=True, text=True)
+    chapter_script("ch05_training/gpu_benchmark.py").main(["--smoke", "--out", str(tmp_path)])
     (result,) = tmp_path.glob("train_speed_*.json")
     report = json.loads(result.read_text())
     rungs = {r["name"]: r for r in report["rungs"]}

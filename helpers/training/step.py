@@ -79,6 +79,7 @@ class StepResult:
     loss: float  # mean over the step's target tokens
     tokens: int  # target tokens in the step
     grad_norm: float | None  # global gradient norm before clipping (None when neither clipped nor measured)
+    stepped: bool = True  # False when the GradScaler skipped the update (fp16 gradients held inf or NaN)
 
 
 class TrainingStep:
@@ -127,8 +128,10 @@ class TrainingStep:
                 params = [p for group in self.optimizer.param_groups for p in group["params"]]
                 max_norm = self.grad_clip if self.grad_clip is not None else math.inf
                 grad_norm = float(nn.utils.clip_grad_norm_(params, max_norm))
+            scale = self.scaler.get_scale() if scaler is not None else None
             self.scaler.step(self.optimizer)  # skipped when fp16 gradients hold inf/NaN; the scale then backs off
             self.scaler.update()
+            stepped = scaler is None or self.scaler.get_scale() >= scale
         finally:
             self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, tokens, grad_norm)
+        return StepResult(loss, tokens, grad_norm, stepped)

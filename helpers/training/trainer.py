@@ -231,7 +231,8 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         result = self.training_step(micro)
         loss, grad_norm = result.loss, result.grad_norm
-        self.scheduler.step()
+        if result.stepped:  # the schedule counts updates: a step the GradScaler skipped moves neither
+            self.scheduler.step()
         self.step += 1
         synchronize(self.device)
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
