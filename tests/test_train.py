@@ -265,6 +265,17 @@ def test_checkpoints_are_atomic_checksummed_and_checked(tmp_path):
     other_run = make_trainer(tmp_path, steps=2, lr=1e-3)
     with pytest.raises(CheckpointError, match="lr"):
         other_run.load(path)
+    other_precision = make_trainer(tmp_path, "float16", steps=2)
+    with pytest.raises(CheckpointError, match="trained in float32, this run computes in float16"):
+        other_precision.load(path)
+    # the same number of windows of other tokens: refused before any weight is replaced
+    other_text = make_trainer(tmp_path, steps=2)
+    ids = token_stream()
+    other_text.batches = ShuffledBatches(ids[:1600].flip(0), 4, TINY.context_length, seed=0)
+    before = other_text.model.lm_head.weight.clone()
+    with pytest.raises(CheckpointError, match="tokens_sha256"):
+        other_text.load(path)
+    assert torch.equal(other_text.model.lm_head.weight, before)
 
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -9,6 +9,7 @@ schedule's step, every random-number generator and the data position.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -115,6 +116,8 @@ class ShuffledBatches:
             raise ValueError(f"{len(self.dataset)} windows of {context_length} tokens cannot fill one batch of "
                              f"{batch_size}; use a smaller batch or context, or more text")
         self.batch_size, self.seed = batch_size, seed
+        # which tokens these are: a checkpoint resumes (or stands in for) a run only on the same text
+        self.tokens_sha256 = hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()
         self.batches_per_epoch = len(self.dataset) // batch_size  # the remainder is dropped each epoch
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
@@ -132,12 +135,12 @@ class ShuffledBatches:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "batch_size": self.batch_size,
-                "windows": len(self.dataset)}
+                "windows": len(self.dataset), "tokens_sha256": self.tokens_sha256}
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
-        for key in ("seed", "batch_size", "windows"):
-            if state[key] != mine[key]:
+        for key in ("seed", "batch_size", "windows", "tokens_sha256"):
+            if state.get(key, mine[key]) != mine[key]:  # (checkpoints before the digest lack it)
                 raise CheckpointError(f"the checkpoint's data order has {key} = {state[key]}, this run {mine[key]}: "
                                       "resume with the same data, batch_size and seed")
         self.epoch, self.index = state["epoch"], state["index"]
@@ -303,7 +306,8 @@ class Trainer:
         return {"model": self.model.state_dict(), "model_config": asdict(self.model.config),
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(), "data": self.batches.state_dict(), "rng": _rng_states(),
-                "step": self.step, "train_config": asdict(self.config), "history": self.history}
+                "step": self.step, "train_config": asdict(self.config), "precision": self.precision.name,
+                "history": self.history}
 
     def save(self, path: str | Path) -> Path:
         """Write a checkpoint atomically (temporary file, then rename; with a .sha256 file): a crash while
@@ -321,11 +325,14 @@ class Trainer:
             if state["train_config"][key] != mine[key]:
                 raise CheckpointError(f"{path} was trained with {key} = {state['train_config'][key]}, this run has "
                                       f"{mine[key]}: an exact resume needs the same TrainConfig")
+        if state.get("precision", self.precision.name) != self.precision.name:
+            raise CheckpointError(f"{path} was trained in {state['precision']}, this run computes in "
+                                  f"{self.precision.name}: an exact resume needs the same precision")
+        self.batches.load_state_dict(state["data"])  # first: it refuses other data before anything is replaced
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        self.batches.load_state_dict(state["data"])
         _set_rng_states(state["rng"])
         self.step = state["step"]
         self.history = {key: list(value) for key, value in state["history"].items()}
