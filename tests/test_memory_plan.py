@@ -91,6 +91,18 @@ def test_after_adamw_a_model_holds_weights_and_two_moments():
     assert 12 * n_params <= plan.end_bytes <= 12 * n_params + 8 * n_tensors  # + one step counter per tensor
 
 
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_the_chunked_head_is_planned_under_16_bit_autocast(low):
+    """The autocast stand-in caches each weight's cast by the weight's id; a short-lived view of one (the head's
+    transposed weight) freed and its id reused by another tensor once handed back a cast of the wrong shape."""
+    config = GPTConfig.from_preset("gpt2-small")
+    chunked = training_step_plan(config, 8, 1024, autocast=low, loss_chunk=128)
+    plain = training_step_plan(config, 8, 1024, autocast=low)
+    assert chunked.end_bytes == plain.end_bytes  # the same weights and AdamW state
+    logits = 8 * 1024 * config.vocab_size * 4  # fp32, as the loss computes them
+    assert plain.peak_bytes - chunked.peak_bytes >= 2 * logits  # never the whole logits and their gradient
+
+
 def test_fused_attention_is_linear_in_the_sequence_and_math_quadratic():
     config = GPTConfig(vocab_size=64, context_length=2048, d_model=64, n_heads=4, n_layers=1, dropout=0.0)
     fused = [training_step_plan(config, 1, t, steps=1).peak_bytes for t in (1024, 2048)]

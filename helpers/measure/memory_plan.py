@@ -92,16 +92,26 @@ class AutocastPlan(TorchFunctionMode):
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype
-        self._cache: dict[int, torch.Tensor] = {}
+        # id of a weight (or of its storage) -> (the weight, kept alive so no other tensor takes the id; its cast)
+        self._cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _cast(self, t, dtype: torch.dtype):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == dtype:
             return t
-        if t.is_leaf and t.requires_grad and dtype == self.dtype:
-            if id(t) not in self._cache:
-                self._cache[id(t)] = t.to(dtype)
-            return self._cache[id(t)]
-        return t.to(dtype)
+        if not (t.is_leaf and t.requires_grad and dtype == self.dtype):
+            return t.to(dtype)
+        if torch.is_grad_enabled():  # the cast is part of the graph: the weight's gradient flows back through it
+            key = ("weight", id(t))
+            if key not in self._cache:
+                self._cache[key] = (t, t.to(dtype))
+            return self._cache[key][1]
+        # Without grad (inside the chunked head's Function, which casts its weight once itself) every view of the
+        # weight, its transpose taken afresh in each chunk, shares one cast of the weight's storage.
+        storage = t.untyped_storage()
+        key = ("storage", id(storage))
+        if key not in self._cache:
+            self._cache[key] = (t, t.new_empty(0).set_(storage).to(dtype))  # the storage's elements, flat
+        return self._cache[key][1].as_strided(t.shape, t.stride(), t.storage_offset())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
