@@ -98,7 +98,7 @@ def _recompute_step(model: GPT, batch: int, positions: int, device: torch.device
 def bench_decode(model: GPT, batches: list[int], positions: int, calibration: Calibration,
                  setups: tuple[str, ...] = SETUPS, rounds: int = 5) -> list[DecodeResult]:
     """Time one decode step of `model` (eval, on its device) per setup and batch size, all interleaved; the
-    int8-weights setup quantizes a copy (weight-only, every Linear but the tied LM head; CPU only)."""
+    int8-weights setup quantizes a copy (weight-only, every Linear but the tied LM head; on any device)."""
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
         raise ValueError(f"unknown setups {unknown}; valid: {', '.join(SETUPS)}")
@@ -106,9 +106,6 @@ def bench_decode(model: GPT, batches: list[int], positions: int, calibration: Ca
     if positions < 1 or positions + 1 > config.context_length:
         raise ValueError(f"positions must be between 1 and {config.context_length - 1} for a context of "
                          f"{config.context_length}, got {positions}")
-    if "int8 weights" in setups and device.type != "cpu":
-        raise ValueError("the int8-weights setup runs on the CPU (helpers.inference.quantization); leave it out on "
-                         f"{device.type}")
     model = model.eval()
     dtype = model.ln_f.weight.dtype
     int8_model = quantize_linears(copy.deepcopy(model), "weight_only", skip=("lm_head",)).eval() \
