@@ -163,3 +163,13 @@ def test_run_notebooks_records_a_stuck_or_dead_notebook_and_runs_the_next(tmp_pa
     saved = {p.name: nbformat.read(p, as_version=4) for p in (tmp_path / "out").glob("*.ipynb")}
     assert saved["bad.ipynb"].cells[0].outputs[0].text == "before\n"
     assert saved["good.ipynb"].cells[0].outputs[0].text == "ran\n"
+
+
+@pytest.mark.subprocess  # a Jupyter kernel
+def test_a_notebook_run_prints_nothing_of_its_kernel(tmp_path, capfd):
+    """`make course` shows each notebook's line and nothing of the kernel: over TCP, ipykernel warned that its
+    channel is unencrypted, once per notebook; the kernel now talks over Unix domain sockets."""
+    run = execute_notebook(write_notebook(tmp_path / "quiet.ipynb", "print('ran')"), smoke=True, timeout=60)
+    assert run.error is None
+    out, err = capfd.readouterr()
+    assert "WARNING" not in err and "encryption" not in err, err
