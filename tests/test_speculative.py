@@ -53,6 +53,16 @@ def test_greedy_is_token_identical_to_the_target_alone(models, k, prompt_len, pe
     assert torch.equal(same, expected) and same_stats.acceptance_rate == 1.0  # a perfect draft is always kept
 
 
+@pytest.mark.parametrize("k", [3, 8])
+def test_a_request_that_fills_the_context_is_served(models, k):
+    """Prompt + new tokens = the context length, with k drafts more than the last round has room for: the drafts
+    stop at the requested length, so the request fits (it was refused for needing k positions more)."""
+    target, draft = models
+    idx = torch.randint(0, VOCAB, (1, 80), generator=torch.Generator().manual_seed(3))
+    out, _ = speculative_generate(target, draft, idx, 16, k=k)
+    assert out.shape == (1, TARGET.context_length) and torch.equal(out, target.generate(idx, 16))
+
+
 def test_the_rejection_rule_draws_from_the_target():
     g = torch.Generator().manual_seed(0)
     p = torch.tensor([0.5, 0.2, 0.2, 0.1, 0.0, 0.0], dtype=torch.float64)
@@ -104,7 +114,7 @@ def test_sampled_tokens_are_distributed_as_the_targets(k):
 @pytest.mark.parametrize("change, message", [
     (dict(idx=torch.zeros(2, 3, dtype=torch.long)), "one sequence at a time"),
     (dict(k=0), "k \\(draft tokens per round\\) must be a positive integer"),
-    (dict(max_new_tokens=90), "need 97 positions, but the target's context length is 96"),
+    (dict(max_new_tokens=94), "need 97 positions, but the target's context length is 96"),
 ])
 def test_bad_arguments_are_refused(models, change, message):
     target, draft = models

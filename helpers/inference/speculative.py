@@ -99,11 +99,13 @@ def speculative_generate(
     if idx.size(0) != 1:
         raise ValueError(f"speculative decoding here serves one sequence at a time, got a batch of {idx.size(0)}; "
                          "decode the prompts one by one (or batch them without a draft, helpers.inference.serving)")
-    needed = idx.size(1) + max_new_tokens + k  # the last round may verify k drafts past the end
+    # Drafts stop at the requested length, so no pass reaches past the last new token: the target's cache ends at
+    # most at prompt + max_new_tokens, the draft's one position earlier.
+    needed = idx.size(1) + max_new_tokens
     for name, model in (("target", target), ("draft", draft)):
         if needed > model.config.context_length:
-            raise ValueError(f"a prompt of {idx.size(1)} tokens, {max_new_tokens} new tokens and k={k} need "
-                             f"{needed} positions, but the {name}'s context length is {model.config.context_length}; "
+            raise ValueError(f"a prompt of {idx.size(1)} tokens and {max_new_tokens} new tokens need {needed} "
+                             f"positions, but the {name}'s context length is {model.config.context_length}; "
                              "shorten the prompt or generate fewer tokens")
     modes = (target.training, draft.training)
     target.eval()
