@@ -12,6 +12,7 @@ import torch
 from helpers import GPT, GPTConfig
 from helpers.__main__ import main
 from helpers.inference.paged_kv import BlockAllocator, OutOfBlocks, PagedKVCache, attend, attend_decode
+from helpers.inference.scheduler import Chunk
 from helpers.inference.serving import Engine, Request, contiguous_layout, serve
 from helpers.measure.serving_bench import mixed_workload, reference_tokens
 from helpers.notebooks import ROOT
@@ -276,7 +277,7 @@ def test_an_iteration_in_which_no_sequence_advances_is_an_error(model64, monkeyp
     engine.submit(Request("B", (2, 3), 4))
     engine.step(), engine.step()  # A is finished, B is decoding
     finished = next(s for s in engine.scheduler.running if s.finish_reason is not None)
-    monkeypatch.setattr(engine.scheduler, "schedule", lambda: ([(finished, finished.num_computed - 1, 1)], 0))
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: ([Chunk(finished, finished.num_computed - 1, 1)], 0))
     with pytest.raises(RuntimeError, match="no sequence advances"):
         engine.step()
 

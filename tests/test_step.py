@@ -101,9 +101,9 @@ def test_a_failed_step_leaves_no_gradients():
 def test_the_compiled_loss_is_one_graph(attn, n_kv_heads, loss_chunk):
     """torch.compile fuses only within a graph: a break in every layer (a warnings filter in the attention once made
     one) left the compiled step slower than transformers'. The chunked head is one graph where torch traces it."""
-    from helpers.model.lm_head import TRACEABLE
+    from helpers.model.lm_head import CHUNKED_HEAD_TRACEABLE
 
-    if loss_chunk is not None and not TRACEABLE:
+    if loss_chunk is not None and not CHUNKED_HEAD_TRACEABLE:
         pytest.skip("before torch 2.13 the chunked head runs eagerly under torch.compile, by design a graph break")
     model = GPT(GPTConfig(vocab_size=37, context_length=12, d_model=16, n_heads=2, n_layers=2, dropout=0.0,
                           n_kv_heads=n_kv_heads), attn_implementation=attn)

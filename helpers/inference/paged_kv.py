@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Container, Hashable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -297,17 +298,35 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
     return kernel(q, k, v, attn_mask=valid[:, None, None, :], is_causal=False)
 
 
+class BatchRow(NamedTuple):
+    """One sequence's chunk in a PagedBatch: `length` tokens from position `start`."""
+
+    seq_id: Hashable
+    start: int
+    length: int
+
+
+class PrefillChunk(NamedTuple):
+    """A chunk longer than one token, as attention reads it: where its tokens sit in the batch's row (`offset`),
+    its first position, its length, and the cache slots of its sequence up to its end."""
+
+    offset: int
+    start: int
+    length: int
+    slots: torch.Tensor
+
+
 class PagedBatch:
     """One iteration of the serving engine as the model sees it: a ragged batch of chunks, one per sequence (a whole
     or partial prompt, or the newest token while decoding), concatenated into a single row of tokens.
 
-    `rows` lists (sequence id, first position, tokens) per chunk, one-token chunks first. The model runs its Linear
+    `rows` lists each chunk's BatchRow, one-token chunks first. The model runs its Linear
     layers, LayerNorms and MLP on all tokens at once; its attention layers call `attend`, which stores each chunk's
     keys and values in the sequence's blocks and attends over the sequence's cache: the one-token rows in one batched
     call over their keys padded to the longest, longer chunks one by one.
     """
 
-    def __init__(self, cache: PagedKVCache, rows: list[tuple[Hashable, int, int]]) -> None:
+    def __init__(self, cache: PagedKVCache, rows: list[BatchRow]) -> None:
         lengths = [n for _, _, n in rows]
         if lengths != sorted(lengths, key=lambda n: n > 1):
             raise ValueError("put the one-token rows of a PagedBatch first (their attention is one batched call)")
@@ -323,7 +342,7 @@ class PagedBatch:
             decode = rows[: self.decoding]
             self.decode_slots, self.decode_valid = cache.padded_slots([s for s, _, _ in decode],
                                                                       [start + 1 for _, start, _ in decode])
-        self.chunks = [(int(end - n), start, n, cache.slots(seq_id, 0, start + n))
+        self.chunks = [PrefillChunk(int(end - n), start, n, cache.slots(seq_id, 0, start + n))
                        for (seq_id, start, n), end in zip(rows, ends.tolist(), strict=True) if n > 1]
 
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
@@ -342,9 +361,10 @@ class PagedBatch:
             k_seq, v_seq = (t.transpose(1, 2) for t in cache.read(layer, self.decode_slots))
             parts.append(attend_decode(q[: self.decoding].unsqueeze(2), k_seq, v_seq, self.decode_valid,
                                        kernel).squeeze(2))
-        for a, start, n, seq_slots in self.chunks:
-            k_seq, v_seq = (t.transpose(0, 1) for t in cache.read(layer, seq_slots))
-            parts.append(attend(q[a : a + n].transpose(0, 1), k_seq, v_seq, start, kernel).transpose(0, 1))
+        for chunk in self.chunks:
+            k_seq, v_seq = (t.transpose(0, 1) for t in cache.read(layer, chunk.slots))
+            rows = q[chunk.offset : chunk.offset + chunk.length].transpose(0, 1)
+            parts.append(attend(rows, k_seq, v_seq, chunk.start, kernel).transpose(0, 1))
         y = torch.cat(parts) if len(parts) > 1 else parts[0]
         return y.transpose(0, 1).unsqueeze(0)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..model.decoding import cached_positions
 from .paged_kv import PagedKVCache
@@ -27,7 +28,7 @@ class Request:
 
 
 @dataclass
-class Sequence:
+class SequenceState:
     """A request inside the engine: its tokens so far and how many of them are in the KV cache."""
 
     request: Request
@@ -41,7 +42,12 @@ class Sequence:
     preemptions: int = 0
 
 
-Chunk = tuple[Sequence, int, int]  # (sequence, first position, number of tokens) to run in one iteration
+class Chunk(NamedTuple):
+    """What one sequence runs in one iteration: `length` of its tokens from position `start`."""
+
+    sequence: SequenceState
+    start: int
+    length: int
 
 
 class Scheduler:
@@ -49,8 +55,8 @@ class Scheduler:
 
     def __init__(self, cache: PagedKVCache, max_batch: int, max_step_tokens: int) -> None:
         self.cache, self.max_batch, self.max_step_tokens = cache, max_batch, max_step_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last one is the newest
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []  # in admission order: the last one is the newest
 
     @property
     def has_work(self) -> bool:
@@ -60,7 +66,7 @@ class Scheduler:
         """The next iteration's chunks, and how many sequences were preempted to make room."""
         raise NotImplementedError
 
-    def try_admit(self, seq: Sequence, budget: int | None) -> bool:
+    def try_admit(self, seq: SequenceState, budget: int | None) -> bool:
         """Move the first waiting sequence into the batch if its blocks fit: with prefix caching it starts from
         the blocks of its longest cached prefix (`num_computed` jumps past those tokens); it reserves blocks for
         the tokens it runs now (the rest of its prompt, at most `budget` of them) or, with `budget=None`, for
@@ -80,7 +86,7 @@ class Scheduler:
         self.running.append(seq)
         return True
 
-    def retire(self) -> list[Sequence]:
+    def retire(self) -> list[SequenceState]:
         """Remove the finished sequences from the batch and free their blocks; returns them."""
         done = [s for s in self.running if s.finish_reason is not None]
         for seq in done:
@@ -93,7 +99,7 @@ class ContinuousScheduler(Scheduler):
     """Iteration-level scheduling: a finished sequence leaves at once, waiting ones join in the same iteration;
     blocks are taken as sequences grow, and when none is free the newest running sequence is preempted."""
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: SequenceState) -> None:
         """Free a running sequence's blocks and queue it first; its tokens are recomputed when it resumes."""
         self.running.remove(seq)
         self.cache.release(seq.request.request_id)
@@ -116,7 +122,7 @@ class ContinuousScheduler(Scheduler):
                     break
             if seq in self.running:
                 self.cache.reserve(rid, seq.num_computed + n)
-                plan.append((seq, seq.num_computed, n))
+                plan.append(Chunk(seq, seq.num_computed, n))
                 budget -= n
         # new sequences join while there are slots, tokens and blocks; not in an iteration that had to preempt
         while self.waiting and len(self.running) < self.max_batch and budget > 0 and not preempted:
@@ -124,7 +130,7 @@ class ContinuousScheduler(Scheduler):
             if not self.try_admit(seq, budget):
                 break  # wait for blocks to be freed
             n = min(len(seq.tokens) - seq.num_computed, budget)
-            plan.append((seq, seq.num_computed, n))
+            plan.append(Chunk(seq, seq.num_computed, n))
             budget -= n
         return plan, preempted
 
@@ -147,15 +153,15 @@ class StaticScheduler(Scheduler):
         for seq in self.running:
             if seq.finish_reason is None and budget > 0:
                 n = min(len(seq.tokens) - seq.num_computed, budget)
-                plan.append((seq, seq.num_computed, n))
+                plan.append(Chunk(seq, seq.num_computed, n))
                 budget -= n
         for seq in self.running:
             if seq.finish_reason is not None and budget > 0:  # padding: recompute its last cached token
-                plan.append((seq, seq.num_computed - 1, 1))
+                plan.append(Chunk(seq, seq.num_computed - 1, 1))
                 budget -= 1
         return plan, 0
 
-    def retire(self) -> list[Sequence]:
+    def retire(self) -> list[SequenceState]:
         """The batch is held until its longest request is done."""
         if any(s.finish_reason is None for s in self.running):
             return []

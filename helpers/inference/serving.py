@@ -33,8 +33,8 @@ import torch
 from ..model.decoding import Sampling, cached_positions, check_decoding
 from ..model.gpt import GPT
 from .kv_quant import check_kv_cache_dtype
-from .paged_kv import PagedBatch, PagedKVCache
-from .scheduler import SCHEDULERS, Chunk, Request, Sequence
+from .paged_kv import BatchRow, PagedBatch, PagedKVCache
+from .scheduler import SCHEDULERS, Chunk, Request, SequenceState
 
 SCHEDULINGS = tuple(SCHEDULERS)
 
@@ -174,7 +174,7 @@ class Engine:
                                   block_size, dtype=param.dtype, device=param.device, prefix_caching=prefix_caching,
                                   int8=int8)
         self.scheduler = SCHEDULERS[scheduling](self.cache, max_batch, self.max_step_tokens)
-        self._pending: dict[Hashable, Sequence] = {}  # submitted and not yet returned by `run`
+        self._pending: dict[Hashable, SequenceState] = {}  # submitted and not yet returned by `run`
         self._finished: dict[Hashable, Completion] = {}
         self._start: float | None = None
         self._iterations: list[IterationStats] = []
@@ -210,7 +210,7 @@ class Engine:
             raise ValueError(f"request {rid!r} needs {self.cache.blocks_for(cached)} blocks of "
                              f"{self.cache.block_size} tokens but the cache has only {self.cache.num_blocks}; "
                              "give the engine more num_blocks or lower max_tokens")
-        seq = Sequence(request, time.perf_counter(), tokens=prompt)
+        seq = SequenceState(request, time.perf_counter(), tokens=prompt)
         self._pending[rid] = seq
         self.scheduler.waiting.append(seq)
 
@@ -219,7 +219,7 @@ class Engine:
     def _forward(self, plan: list[Chunk]) -> torch.Tensor:
         """Logits (len(plan), vocab) after the last token of each planned chunk: the model's own forward pass over
         the ragged batch of chunks, its attention reading and writing the paged cache (`PagedBatch`)."""
-        batch = PagedBatch(self.cache, [(seq.request.request_id, start, n) for seq, start, n in plan])
+        batch = PagedBatch(self.cache, [BatchRow(seq.request.request_id, start, n) for seq, start, n in plan])
         ids = torch.tensor([t for seq, start, n in plan for t in seq.tokens[start : start + n]],
                            device=self.cache.k.device)
         return self.model(ids.unsqueeze(0), cache=batch, logits_at=batch.last)[0]
@@ -231,7 +231,7 @@ class Engine:
         return self.scheduler.has_work
 
     @staticmethod
-    def _kind(seq: Sequence, start: int) -> str:
+    def _kind(seq: SequenceState, start: int) -> str:
         if seq.finish_reason is not None:
             return "padding"
         decode = start == len(seq.tokens) - 1 and start >= len(seq.request.prompt)  # feeds its newest token
@@ -244,7 +244,7 @@ class Engine:
         if self._start is None:
             self._start = time.perf_counter()
         plan, preempted = self.scheduler.schedule()
-        plan.sort(key=lambda row: row[2] > 1)  # one-token rows first: their attention is one batched call
+        plan.sort(key=lambda chunk: chunk.length > 1)  # one-token chunks first: their attention is one batched call
         if not plan:
             raise RuntimeError("no sequence could be scheduled" if self.has_work else "nothing to run: submit first")
         if all(seq.finish_reason is not None for seq, _, _ in plan):  # only padding: no sequence would advance

@@ -82,7 +82,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 # torch.compile traces the Function correctly from torch 2.13 (tested); 2.8 mixes bf16 and fp32 operands inside it
 # under autocast, so older releases run it eagerly: a graph break, the same results.
-TRACEABLE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+CHUNKED_HEAD_TRACEABLE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
 def _apply(hidden, weight, targets, chunk_tokens, vocab_size, ignore_index, compute_dtype):
@@ -120,6 +120,6 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     compute_dtype = hidden.dtype
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
-    apply = _eager_apply() if not TRACEABLE and torch.compiler.is_compiling() else _apply
+    apply = _eager_apply() if not CHUNKED_HEAD_TRACEABLE and torch.compiler.is_compiling() else _apply
     return apply(hidden, weight, targets, chunk_tokens, vocab_size, ignore_index, compute_dtype)
 
