@@ -101,3 +101,19 @@ def test_document_split_refuses_what_it_cannot_split():
         data.document_split(["only one"], 0.1)
     with pytest.raises(ValueError, match="no document fits in 10%"):
         data.document_split(["a" * 50, "b" * 50], 0.1)
+
+
+def test_keep_frequent_tokens_ranks_by_frequency_and_shares_the_last_id():
+    """Against a count by hand: rank by frequency in the reference (ties by id, unseen tokens after every seen one),
+    ranks at or past vocab_size - 1 all become vocab_size - 1."""
+    from collections import Counter
+
+    reference = torch.randint(0, 50, (2_000,), generator=torch.Generator().manual_seed(0)) ** 2 % 97
+    ids = torch.randint(0, 120, (500,), generator=torch.Generator().manual_seed(1))
+    counts = Counter(reference.tolist())
+    order = sorted(range(120), key=lambda t: (-counts[t], t))
+    for vocab_size in (2, 10, 60, 200):
+        expected = [min(order.index(t), vocab_size - 1) for t in ids.tolist()]
+        assert data.keep_frequent_tokens(ids, reference, vocab_size).tolist() == expected
+    with pytest.raises(ValueError, match="at least 2"):
+        data.keep_frequent_tokens(ids, reference, 1)

@@ -174,3 +174,15 @@ def load_token_ids(name: str = DEFAULT_CORPUS) -> torch.Tensor:
     from .tokenizer import get_tokenizer
 
     return torch.tensor(get_tokenizer().encode_ordinary(load_corpus(name)), dtype=torch.long)
+
+
+def keep_frequent_tokens(ids: torch.Tensor, reference: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A reduced vocabulary: token ids renumbered by their frequency in `reference` (the most frequent becomes 0, ties
+    by id), every token outside the top `vocab_size - 1` sharing the last id. Short CPU runs keep GPT-2's tokenizer
+    with a 4,096-row embedding instead of 50,257."""
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be at least 2 (one kept token and the shared id), got {vocab_size}")
+    counts = torch.bincount(reference, minlength=int(max(reference.max(), ids.max())) + 1)
+    rank = torch.empty_like(counts)
+    rank[counts.argsort(descending=True, stable=True)] = torch.arange(len(counts))
+    return rank[ids].clamp(max=vocab_size - 1)
