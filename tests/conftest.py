@@ -45,6 +45,7 @@ MODULE_MARKERS = {
     "test_quantization": ("versions",),  # torchao, torch._int_mm
     "test_step": ("versions",),  # torch.compile, transformers' loss
     "test_train_bench": ("versions",),  # torch.compile, transformers' GPT-2 as the peer
+    "test_virtual_device": ("versions",),  # dispatch and function modes, wrapper subclasses, swapped parameters
     "test_weights": ("versions",),  # transformers' GPT2LMHeadModel
     # results that no library's version can change
     "test_layout": ("versionless",),
@@ -54,6 +55,8 @@ MODULE_MARKERS = {
 # test function -> markers, where a module holds tests of several kinds
 FUNCTION_MARKERS = {
     "test_notebook_runs_at_smoke_scale": ("notebook",),
+    "test_a_notebook_that_leaves_a_tensor_on_the_cpu_fails_on_the_virtual_device": ("subprocess", "versions"),
+    "test_a_run_resumes_on_a_device_other_than_the_cpu": ("versions",),  # the virtual accelerator: torch's modes
     "test_notebook_is_committed_clean": ("versionless",),
     "test_the_readme_links_every_lesson_to_colab": ("versionless",),
     "test_sync_bootstrap_inserts_updates_and_is_idempotent": ("versionless",),

@@ -40,6 +40,7 @@ def test_bf16_on_a_t4_is_refused_with_the_fix():
 def test_detected_cpu_record_matches_torch():
     caps = detect_capabilities("cpu")
     assert caps.device_type == "cpu" and caps.cpu_threads == torch.get_num_threads()
+    assert detect_capabilities("cpu:0") == detect_capabilities(torch.device("cpu")) == caps  # a device, indexed or not
     if caps.bf16_native:  # autocast must then actually produce bf16 on this CPU
         with torch.autocast("cpu", dtype=autocast_dtype(caps)):
             assert (torch.ones(4, 4) @ torch.ones(4, 4)).dtype == torch.bfloat16
@@ -49,8 +50,9 @@ def test_missing_devices_are_clear_errors():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="no CUDA GPU is visible"):
             detect_capabilities("cuda")
-    with pytest.raises(ValueError, match="valid: cuda, mps, cpu"):
-        detect_capabilities("tpu")
+    for unknown in ("tpu", "meta"):  # not a device torch knows; one it knows without a capabilities record
+        with pytest.raises(ValueError, match="valid: cuda, mps, cpu"):
+            detect_capabilities(unknown)
 
 
 def test_smoke_switch(monkeypatch):

@@ -85,15 +85,19 @@ def _mps_bf16_native() -> bool:
         return False
 
 
-def detect_capabilities(device_type: str | None = None) -> DeviceCapabilities:
-    """Read this machine's capabilities for `device_type` (default: the best available)."""
-    device_type = default_device_type() if device_type is None else device_type
+def detect_capabilities(device: str | torch.device | None = None) -> DeviceCapabilities:
+    """Read this machine's capabilities for `device` ("cuda", "cuda:1", "cpu"...; default: the best available)."""
+    try:
+        device = torch.device(default_device_type() if device is None else device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; valid: cuda, mps, cpu, with an index or without") from None
+    device_type = device.type
     common = dict(cpu_threads=torch.get_num_threads(), flash_attn=version_of("flash_attn"),
                   triton=version_of("triton"))
     if device_type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but no CUDA GPU is visible; use 'cpu' (or 'mps' on a Mac)")
-        props = torch.cuda.get_device_properties(0)
+        props = torch.cuda.get_device_properties(device.index or 0)
         return DeviceCapabilities(
             "cuda", props.name, (props.major, props.minor), props.total_memory,
             torch.cuda.is_bf16_supported(including_emulation=False), **common,
@@ -110,7 +114,7 @@ def detect_capabilities(device_type: str | None = None) -> DeviceCapabilities:
         except (ValueError, OSError, AttributeError):
             memory = None
         return DeviceCapabilities("cpu", _cpu_name(), None, memory, _cpu_bf16_native(), **common)
-    raise ValueError(f"unknown device type {device_type!r}; valid: cuda, mps, cpu")
+    raise ValueError(f"unknown device {str(device)!r}; valid: cuda, mps, cpu, with an index or without")
 
 
 def autocast_dtype(caps: DeviceCapabilities) -> torch.dtype | None:
