@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
 from helpers.system.device import REFERENCE_DEVICES, UnsupportedDtypeError
+from helpers.system.virtual_device import on_accelerator, virtual_accelerator
 from helpers.training.checkpoint import CheckpointError, checksum_path
 from helpers.training.lr_schedule import learning_rate
 from helpers.training.step import IGNORE_INDEX, accumulate_gradients
@@ -211,6 +212,23 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, precision):
     wrong.batches.index -= 1
     wrong.fit(progress=False)
     assert not torch.equal(wrong.model.lm_head.weight, straight.model.lm_head.weight)
+
+
+def test_a_run_resumes_on_a_device_other_than_the_cpu(tmp_path):
+    """Trainer.load maps a checkpoint onto the training device, its RNG states with it; torch restores those from
+    the CPU only (on CUDA: "RNG state must be a torch.ByteTensor"). The virtual accelerator stands in for a GPU."""
+    straight = make_trainer(tmp_path / "a")  # on the CPU, which computes what the accelerator computes
+    straight.fit(progress=False)
+    with virtual_accelerator() as device:
+        first = make_trainer(tmp_path / "b", checkpoint_interval=3, device=str(device))
+        first.fit(until_step=3, progress=False)
+        resumed = make_trainer(tmp_path / "c", seed=123, device=str(device))
+        assert resumed.load(tmp_path / "b" / "ckpt.pt") == 3
+        resumed.fit(progress=False)
+        assert all(on_accelerator(p) for p in resumed.model.parameters())
+        assert resumed.history["loss"] == straight.history["loss"]
+        assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(straight.model.parameters(),
+                                                                  resumed.model.parameters(), strict=True))
 
 
 def test_training_lowers_the_validation_loss_and_follows_the_schedule(tmp_path):

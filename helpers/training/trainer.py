@@ -167,10 +167,11 @@ def _rng_states() -> dict:
 
 
 def _set_rng_states(states: dict) -> None:
-    torch.set_rng_state(states["torch"])
+    """The states as saved; a checkpoint loaded onto a GPU brought them there, and torch takes them from the CPU."""
+    torch.set_rng_state(states["torch"].cpu())
     random.setstate(states["python"])
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        torch.cuda.set_rng_state_all([state.cpu() for state in states["cuda"]])
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig, fused: bool | None = None) -> torch.optim.AdamW:
