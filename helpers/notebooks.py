@@ -158,6 +158,16 @@ def clean_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
             cell.outputs = outputs
     return nb
 
+VIRTUAL_DEVICE_SOURCE = """\
+from helpers.system.virtual_device import ACCELERATOR, virtual_accelerator
+DEVICES_ON_THE_CPU = [name for name in globals() if name.endswith("DEVICE") and str(globals()[name]) == "cpu"]
+if DEVICES_ON_THE_CPU:
+    VIRTUAL_DEVICE = virtual_accelerator()  # held, so it stays entered for the rest of the kernel's life
+    VIRTUAL_DEVICE.__enter__()
+    for name in DEVICES_ON_THE_CPU:
+        globals()[name] = str(ACCELERATOR)
+"""
+
 
 @dataclass
 class NotebookRun:
@@ -168,8 +178,12 @@ class NotebookRun:
 
 def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
                      timeout: int = 900, threads: int | None = None,
-                     metadata: dict | None = None) -> NotebookRun:
+                     metadata: dict | None = None, virtual_device: bool = False) -> NotebookRun:
     """Run every cell in a fresh kernel (in the notebook's folder); optionally save the result.
+
+    `virtual_device`: after the parameters cell, the notebook's devices (`DEVICE`, `TRAIN_DEVICE`, ...) that are
+    the CPU become `helpers.system.virtual_device.ACCELERATOR`, a second device on this CPU, so a tensor left on
+    the CPU fails as it would on a GPU. Only for checking: the saved notebook has the extra cell.
 
     A failing cell, a cell running past `timeout` seconds and a kernel that dies (out of host memory, say) all
     end this notebook's run with its `error`, never the caller's loop over notebooks; the outputs up to there
@@ -177,6 +191,9 @@ def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
     """
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
+    if virtual_device:
+        parameters = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+        nb.cells.insert(parameters + 1, nbformat.v4.new_code_cell(VIRTUAL_DEVICE_SOURCE))
     # Progress bars redraw in place in a live notebook; in a saved one every redraw stays, so draw rarely.
     env = dict(os.environ, COURSE_SMOKE="1" if smoke else "0", TQDM_MININTERVAL="30")
     if threads is not None:  # torch reads it at start-up: every kernel computes with the same thread count

@@ -116,6 +116,9 @@ def test_a_plan_fits_with_its_allowance():
     assert not MemoryPlan(13 * GIB, 0).fits(t4)  # 15.3 GiB
     assert MemoryPlan(13 * GIB, 0).required_bytes == int(13 * GIB * 1.1) + CUDA_CONTEXT_BYTES
     assert largest_fitting([4, 8, 16, 32], lambda b: MemoryPlan(b * GIB, 0), t4) == 8
+    assert largest_fitting([4, 8, 16, 32], lambda b: MemoryPlan(b * GIB, 0), t4, held_bytes=5 * GIB) == 4  # 9.8 + 5
+    with pytest.raises(MemoryPlanError, match=r"beside 12.0 GiB held"):
+        largest_fitting([4], lambda b: MemoryPlan(b * GIB, 0), t4, held_bytes=12 * GIB)
     assert fitting(["small", "xl"], lambda p: MemoryPlan((4 if p == "small" else 50) * GIB, 0), t4) == ["small"]
     with pytest.raises(MemoryPlanError, match=r"none of \[32\] fits Tesla T4 \(14.7 GiB\): 32 needs 36.2 GiB"):
         largest_fitting([32], lambda b: MemoryPlan(b * GIB, 0), t4)
@@ -177,6 +180,29 @@ def workloads(notebook: str, p: dict, caps) -> list[tuple[str, int]]:
     if notebook == "ch05_training/05_lr_schedules.ipynb":
         return [("one run", training_step_plan(small_width(p, p["VOCAB"]), p["BATCH_SIZE"], p["CONTEXT"],
                                                autocast=low).peak_bytes)]
+    if notebook == "ch05_training/08_activation_memory.ipynb":  # one model and AdamW for every setup, + its start
+        config = GPTConfig.from_preset(p["MODEL"], dropout=0.0)
+        return [("plain step", training_step_plan(config, p["BATCH"], p["CTX"], autocast=low).peak_bytes
+                 + 4 * n_params(config))]
+    if notebook == "ch05_training/solutions.ipynb":  # each section's largest step beside the models kept before it
+        def sized(prefix):
+            return GPTConfig(vocab_size=p[f"{prefix}_VOCAB"], context_length=p[f"{prefix}_CONTEXT"],
+                             d_model=p[f"{prefix}_D_MODEL"], n_heads=p[f"{prefix}_N_HEADS"],
+                             n_layers=p[f"{prefix}_N_LAYERS"], dropout=0.0)
+
+        speed, act, lr = (GPTConfig.from_preset(p["SPEED_MODEL"], dropout=0.0),
+                          GPTConfig.from_preset(p["ACT_MODEL"], dropout=0.0), sized("LR"))
+        held = 4 * (n_params(sized("PRE")) + n_params(sized("AMP")))  # 5.1's model and 5.3's fp32 model
+        def speed_step(batch):
+            return training_step_plan(speed, batch, p["SPEED_CTX"])
+
+        batch = largest_fitting(p["SPEED_BATCHES"], speed_step, caps, held_bytes=held)  # as 5.4 picks it
+        held += 4 * n_params(speed)  # 5.4's model stays
+        return [("5.4 fp32 step", speed_step(batch).peak_bytes + held - 4 * n_params(speed)),
+                ("5.5 Trainer step beside the probe", training_step_plan(lr, p["LR_BATCH"], p["LR_CONTEXT"]).peak_bytes
+                 + held + 8 * n_params(lr)),
+                ("5.8 blocks pass", training_step_plan(act, p["ACT_BATCH"], p["ACT_CTX"], autocast=low,
+                                                       loss_chunk=128).peak_bytes + held)]
     if notebook == "ch06_inference/02_quantization.ipynb":
         config = GPTConfig(**p["MODEL"], dropout=0.0)
         return [("training", training_step_plan(config, p["BATCH_SIZE"], config.context_length,
@@ -187,6 +213,7 @@ def workloads(notebook: str, p: dict, caps) -> list[tuple[str, int]]:
 PLANNED = ["ch04_flops/02_flops_analysis.ipynb", "ch05_training/01_pretraining.ipynb",
            "ch05_training/02_gradient_accumulation.ipynb", "ch05_training/03_mixed_precision.ipynb",
            "ch05_training/04_training_speed.ipynb", "ch05_training/05_lr_schedules.ipynb",
+           "ch05_training/08_activation_memory.ipynb", "ch05_training/solutions.ipynb",
            "ch06_inference/02_quantization.ipynb"]
 
 
@@ -221,13 +248,24 @@ def test_the_gpu_sizes_follow_the_gpus_memory():
     assert len(a100[flops]["BENCH_PRESETS"]) > 1
 
 
+NOTEBOOKS = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("ch*/*.ipynb"))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_at_the_gpu_scale_a_notebooks_device_is_the_gpu(notebook):
+    """A device parameter hard-coded to the CPU sends the gpu scale's training to a free Colab's two vCPUs (hours)."""
+    p = gpu_parameters(notebook, REFERENCE_DEVICES["t4"])
+    devices = {name: value for name, value in p.items() if name.endswith("DEVICE")}
+    assert all(str(value) == "cuda" for value in devices.values()), f"{notebook} on a T4: {devices}"
+
+
 def code_cells(notebook: Path):
     for cell in json.loads(notebook.read_text())["cells"]:
         if cell["cell_type"] == "code":
             yield "".join(cell["source"])
 
 
-@pytest.mark.parametrize("notebook", sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("ch*/*.ipynb")))
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
 def test_a_model_that_trains_in_a_cell_is_on_the_notebooks_device(notebook):
     """A model built and trained by hand must be moved to DEVICE (a Trainer moves its own): at the gpu scale a
     124M-parameter step on the host is minutes of CPU time and more memory than a free Colab machine has."""
