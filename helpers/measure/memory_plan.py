@@ -166,10 +166,11 @@ class MemoryPlan:
         """The peak with the allowance for what is not a tensor: what the device must offer."""
         return int(self.peak_bytes * (1 + FRAGMENTATION)) + CUDA_CONTEXT_BYTES
 
-    def fits(self, caps: DeviceCapabilities) -> bool:
-        """True when the device's memory holds the planned step: with the allowance on a CUDA GPU, the tensors
-        alone elsewhere (a CPU's or a Mac's RAM has no CUDA context)."""
-        need = self.required_bytes if caps.device_type == "cuda" else self.peak_bytes
+    def fits(self, caps: DeviceCapabilities, held_bytes: int = 0) -> bool:
+        """True when the device's memory holds the planned step beside `held_bytes` of tensors kept from earlier
+        work (`torch.cuda.memory_allocated()` in a notebook): with the allowance on a CUDA GPU, the tensors alone
+        elsewhere (a CPU's or a Mac's RAM has no CUDA context)."""
+        need = (self.required_bytes if caps.device_type == "cuda" else self.peak_bytes) + held_bytes
         return caps.total_memory_bytes is not None and need <= caps.total_memory_bytes
 
     def __str__(self) -> str:
@@ -244,19 +245,23 @@ class MemoryPlanError(RuntimeError):
     """Not even the smallest candidate fits the device."""
 
 
-def fitting(candidates: Iterable[T], plan: Callable[[T], MemoryPlan], caps: DeviceCapabilities) -> list[T]:
-    """The candidates (batch sizes, model presets, smallest first) whose `plan(candidate)` fits the device: how a
-    notebook at the gpu scale picks what a 16 GB T4 can run as well as an 80 GB H100. None fitting is an error."""
+def fitting(candidates: Iterable[T], plan: Callable[[T], MemoryPlan], caps: DeviceCapabilities,
+            held_bytes: int = 0) -> list[T]:
+    """The candidates (batch sizes, model presets, smallest first) whose `plan(candidate)` fits the device beside
+    `held_bytes` already taken: how a notebook at the gpu scale picks what a 16 GB T4 can run as well as an 80 GB
+    H100. None fitting is an error."""
     candidates = list(candidates)
-    fit = [c for c in candidates if plan(c).fits(caps)]
+    fit = [c for c in candidates if plan(c).fits(caps, held_bytes)]
     if not fit:
         memory = (caps.total_memory_bytes or 0) / GIB
-        raise MemoryPlanError(f"none of {candidates} fits {caps.name} ({memory:.1f} GiB): {candidates[0]} needs "
-                              f"{plan(candidates[0]).required_bytes / GIB:.1f} GiB; use a GPU with more memory, or "
-                              "smaller sizes in the parameters cell")
+        held = f" beside {held_bytes / GIB:.1f} GiB held" if held_bytes else ""
+        raise MemoryPlanError(f"none of {candidates} fits {caps.name} ({memory:.1f} GiB){held}: {candidates[0]} "
+                              f"needs {plan(candidates[0]).required_bytes / GIB:.1f} GiB; use a GPU with more "
+                              "memory, or smaller sizes in the parameters cell")
     return fit
 
 
-def largest_fitting(candidates: Iterable[int], plan: Callable[[int], MemoryPlan], caps: DeviceCapabilities) -> int:
-    """The largest candidate size whose plan fits the device (`fitting`)."""
-    return max(fitting(candidates, plan, caps))
+def largest_fitting(candidates: Iterable[int], plan: Callable[[int], MemoryPlan], caps: DeviceCapabilities,
+                    held_bytes: int = 0) -> int:
+    """The largest candidate size whose plan fits the device beside `held_bytes` (`fitting`)."""
+    return max(fitting(candidates, plan, caps, held_bytes))
