@@ -15,6 +15,7 @@ from helpers.inference.paged_kv import BlockAllocator, OutOfBlocks, PagedKVCache
 from helpers.inference.scheduler import Chunk
 from helpers.inference.serving import Engine, Request, contiguous_layout, serve
 from helpers.measure.serving_bench import mixed_workload, reference_tokens
+from helpers.model.decoding import Sampling
 from helpers.notebooks import ROOT
 
 CONFIG = GPTConfig(vocab_size=97, context_length=48, d_model=32, n_heads=2, n_layers=2, dropout=0.0)
@@ -203,6 +204,57 @@ def test_eos_stops_a_request_early(model64):
     assert run.completions[1].tokens == reference_tokens(model64, other)
 
 
+SAMPLINGS = [Sampling(temperature=0.9, top_k=20), Sampling(temperature=1.3, top_p=0.9),
+             Sampling(repetition_penalty=1.5),  # greedy, penalised: needs the context, draws nothing
+             Sampling(temperature=0.7, frequency_penalty=0.5, presence_penalty=0.3), Sampling()]
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"max_batch": 4, "block_size": 5, "max_step_tokens": 6},  # long prompts prefilled in chunks
+    {"max_batch": 6, "block_size": 4, "num_blocks": 7},  # too small for all: preempted and recomputed
+    {"max_batch": 3, "scheduling": "static", "block_size": 4},  # padding rows
+], ids=["chunked-prefill", "preempting", "static"])
+def test_each_request_samples_what_generate_draws_for_it_alone(model64, engine_args):
+    """Its own sampling and a generator of its own seed: the same tokens whichever requests share its batches,
+    through chunked prefill, preemption and padding."""
+    requests = [Request(r.request_id, r.prompt, r.max_tokens, sampling=SAMPLINGS[i % len(SAMPLINGS)], seed=100 + i)
+                for i, r in enumerate(mixed_requests(10, seed=2))]
+    run = serve(model64, requests, **engine_args)
+    assert engine_args.get("num_blocks") is None or run.preemptions > 0
+    for request, completion in zip(requests, run.completions, strict=True):
+        assert completion.tokens == reference_tokens(model64, request), request.request_id
+    greedy = serve(model64, [Request(r.request_id, r.prompt, r.max_tokens) for r in requests], **engine_args)
+    assert [c.tokens for c in greedy.completions] != [c.tokens for c in run.completions]  # sampling did sample
+
+
+def test_sampled_first_tokens_follow_the_models_distribution(model64):
+    prompt, draws = (3, 1, 4, 1, 5), 3000
+    with torch.no_grad():
+        probs = model64(torch.tensor([prompt]))[0, -1].float().softmax(-1).double()
+    run = serve(model64, [Request(i, prompt, 1, sampling=Sampling(temperature=1.0), seed=i) for i in range(draws)],
+                max_batch=64, block_size=8)
+    counts = torch.bincount(torch.tensor([c.tokens[0] for c in run.completions]), minlength=CONFIG.vocab_size)
+    expected = draws * probs
+    big = expected >= 5  # Pearson's test: the tokens expected fewer than 5 times counted as one category
+    observed, expected = counts[big].double(), expected[big]
+    if not big.all():
+        observed = torch.cat([observed, counts[~big].sum(0, keepdim=True).double()])
+        expected = torch.cat([expected, draws * probs[~big].sum(0, keepdim=True)])
+    chi_square, df = float(((observed - expected) ** 2 / expected).sum()), len(observed) - 1
+    assert chi_square < df + 5 * (2 * df) ** 0.5, (chi_square, df)  # mean df, standard deviation sqrt(2 df)
+
+
+def test_unseeded_sampling_follows_torch_manual_seed(model64):
+    requests = [Request(i, (7, 8, 9), 10, sampling=Sampling(temperature=1.0)) for i in range(3)]
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        runs.append([c.tokens for c in serve(model64, requests, max_batch=3, block_size=4).completions])
+    assert runs[0] == runs[1] and len({tuple(t) for t in runs[0]}) > 1  # reproducible; each request its own draws
+    with pytest.raises(ValueError, match="samples without a seed"):
+        reference_tokens(model64, requests[0])
+
+
 def test_utilization_paged_wastes_less_than_a_block_per_sequence(model64, requests_and_reference):
     requests, _ = requests_and_reference
     paged = serve(model64, requests, max_batch=3, block_size=4)
@@ -224,6 +276,9 @@ def test_utilization_paged_wastes_less_than_a_block_per_sequence(model64, reques
     (Request("x", (1, 97), 3), r"prompt token ids must be integers in \[0, 97\)"),
     (Request("x", (1, 2), 3, eos_id=-1), "eos_id -1 is outside"),
     (Request("x", tuple(range(20)), 20), "needs 5 blocks of 8 tokens but the cache has only 4"),
+    (Request("x", (1, 2), 3, sampling=Sampling(temperature=-1.0)), "request 'x': temperature must be >= 0"),
+    (Request("x", (1, 2), 3, sampling=Sampling(temperature=1.0, top_k=98)), r"top_k must be an integer in \[1, 97\]"),
+    (Request("x", (1, 2), 3, sampling={"temperature": 1.0}), "sampling must be a helpers.model.decoding.Sampling"),
 ])
 def test_requests_that_can_never_be_served_are_refused_at_submit(model64, request_, message):
     engine = Engine(model64, max_batch=2, block_size=8, num_blocks=4)

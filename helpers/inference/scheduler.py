@@ -13,18 +13,25 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..model.decoding import cached_positions
+import torch
+
+from ..model.decoding import Sampling, cached_positions
 from .paged_kv import PagedKVCache
 
 
 @dataclass(frozen=True)
 class Request:
-    """A prompt (token ids) to complete with up to `max_tokens` greedy tokens, stopping early at `eos_id`."""
+    """A prompt (token ids) to complete with up to `max_tokens` tokens, stopping early at `eos_id`. Each token is
+    picked by `sampling` (greedy by default); a sampling request draws from a generator of its own, seeded with
+    `seed` (None: a seed drawn from torch's global generator when it is submitted), so its tokens do not depend on
+    which requests share its batches."""
 
     request_id: Hashable
     prompt: tuple[int, ...]
     max_tokens: int
     eos_id: int | None = None
+    sampling: Sampling = Sampling()
+    seed: int | None = None
 
 
 @dataclass
@@ -40,6 +47,7 @@ class SequenceState:
     finish_reason: str | None = None
     first_token: float | None = None
     preemptions: int = 0
+    generator: torch.Generator | None = None  # a sampling request's own, on the cache's device
 
 
 class Chunk(NamedTuple):

@@ -3,7 +3,8 @@
 
 Every iteration the scheduler picks a chunk of tokens per sequence (a whole or partial prompt, or the one
 newest token while decoding), the engine runs them through the GPT as one ragged batch, and each sequence
-whose tokens are all in the cache gets its next token (greedy). Linear layers see every sequence's tokens
+whose tokens are all in the cache gets its next token (greedy, or drawn as its request's `sampling` says, from a
+generator of its own). Linear layers see every sequence's tokens
 concatenated; attention reads each sequence's keys and values through its block table (the one-token rows of
 decoding sequences in one batched call, prompt chunks one by one).
 
@@ -37,6 +38,7 @@ from .paged_kv import BatchRow, PagedBatch, PagedKVCache
 from .scheduler import SCHEDULERS, Chunk, Request, SequenceState
 
 SCHEDULINGS = tuple(SCHEDULERS)
+GREEDY = Sampling()
 
 
 @dataclass
@@ -145,8 +147,8 @@ class Engine:
     `max_step_tokens` (default: the context length) caps the tokens of one iteration; longer prompts are
     prefilled in chunks over several iterations. `prefix_caching` shares the KV blocks of common prompt prefixes;
     `kv_cache_dtype="int8"` stores the cache in int8 (then outputs approximate the float model's).
-    Outputs match `model.generate` greedy per request (exactly in float64; in float32 the batched kernels round
-    differently from single-sequence ones).
+    Each request gets the tokens `model.generate` picks for it alone, with its sampling and a generator seeded
+    with its seed (exactly in float64; in float32 the batched kernels round differently from single-sequence ones).
     """
 
     def __init__(self, model: GPT, *, max_batch: int, block_size: int = 16, num_blocks: int | None = None,
@@ -194,8 +196,11 @@ class Engine:
             raise ValueError(f"request {rid!r}: prompt token ids must be integers in [0, {cfg.vocab_size})")
         if request.eos_id is not None and not 0 <= request.eos_id < cfg.vocab_size:
             raise ValueError(f"request {rid!r}: eos_id {request.eos_id} is outside [0, {cfg.vocab_size})")
+        if not isinstance(request.sampling, Sampling):
+            raise ValueError(f"request {rid!r}: sampling must be a helpers.model.decoding.Sampling, got "
+                             f"{type(request.sampling).__name__}")
         try:
-            check_decoding(request.max_tokens, Sampling(), cfg.vocab_size)
+            check_decoding(request.max_tokens, request.sampling, cfg.vocab_size)
         except ValueError as err:
             raise ValueError(f"request {rid!r}: {err}".replace("max_new_tokens", "max_tokens")) from None
         if len(prompt) > cfg.context_length:
@@ -210,7 +215,11 @@ class Engine:
             raise ValueError(f"request {rid!r} needs {self.cache.blocks_for(cached)} blocks of "
                              f"{self.cache.block_size} tokens but the cache has only {self.cache.num_blocks}; "
                              "give the engine more num_blocks or lower max_tokens")
-        seq = SequenceState(request, time.perf_counter(), tokens=prompt)
+        generator = None
+        if request.sampling.temperature > 0:
+            seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()))
+            generator = torch.Generator(self.cache.k.device).manual_seed(seed)
+        seq = SequenceState(request, time.perf_counter(), tokens=prompt, generator=generator)
         self._pending[rid] = seq
         self.scheduler.waiting.append(seq)
 
@@ -257,7 +266,7 @@ class Engine:
             logits = self._forward(plan)
         finally:
             self.model.train(was_training)
-        next_ids = logits.float().argmax(dim=-1).tolist()  # greedy over float32 logits, as GPT.generate
+        next_ids = self._next_tokens(plan, logits)
         now = time.perf_counter()
         batch = tuple((seq.request.request_id, n, self._kind(seq, start)) for seq, start, n in plan)
         live = [s for s in self.scheduler.running if s.finish_reason is None]  # their caches were in use
@@ -285,6 +294,20 @@ class Engine:
                                           seq.preemptions, seq.cached_tokens))
         self._finished.update((c.request_id, c) for c in completions)
         return completions
+
+    @staticmethod
+    def _next_tokens(plan: list[Chunk], logits: torch.Tensor) -> list[int]:
+        """The token each planned row adds: greedy rows by one argmax over float32 logits (as GPT.generate), the
+        others one by one with their own generator; rows that add no token (a prompt chunk short of the end,
+        padding) draw nothing, so a request's draws follow its own tokens only."""
+        tokens = logits.float().argmax(dim=-1).tolist()
+        for row, (seq, start, n) in enumerate(plan):
+            sampling = seq.request.sampling
+            if sampling == GREEDY or seq.finish_reason is not None or start + n < len(seq.tokens):
+                continue
+            context = torch.tensor([seq.tokens], device=logits.device) if sampling.penalises else None
+            tokens[row] = int(sampling.next_token(logits[row : row + 1], context, seq.generator))
+        return tokens
 
     def run(self) -> ServingRun:
         """Step until every submitted request is complete. Returns the completions of all requests submitted

@@ -7,6 +7,7 @@ utilisation, and a float64 check that both engines produce exactly the tokens of
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import torch
@@ -42,8 +43,17 @@ def mixed_workload(n_requests: int, context_length: int, seed: int = 0,
 
 
 def reference_tokens(model: GPT, request: Request) -> list[int]:
-    """Single-sequence greedy generation with `GPT.generate` (full recompute, no cache), cut after EOS."""
-    out = model.generate(torch.tensor([request.prompt], device=next(model.parameters()).device), request.max_tokens)
+    """The request generated alone by `GPT.generate` (full recompute, no cache), with its sampling and a generator
+    seeded with its seed, cut after EOS."""
+    device = next(model.parameters()).device
+    sampling = request.sampling
+    generator = None
+    if sampling.temperature > 0:
+        if request.seed is None:
+            raise ValueError(f"request {request.request_id!r} samples without a seed: give it one to reproduce it")
+        generator = torch.Generator(device).manual_seed(request.seed)
+    out = model.generate(torch.tensor([request.prompt], device=device), request.max_tokens, generator=generator,
+                         **dataclasses.asdict(sampling))  # its fields are generate's decoding arguments
     tokens = out[0, len(request.prompt) :].tolist()
     if request.eos_id in tokens:
         tokens = tokens[: tokens.index(request.eos_id) + 1]
