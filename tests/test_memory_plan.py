@@ -1,6 +1,7 @@
 """The memory plan (helpers.measure.memory_plan) against real execution, and every notebook's gpu scale planned on
 the GPUs learners use: a free Colab T4 (14.7 GiB, fp16), an L4 (22 GiB, bf16) and an A100-40GB (bf16)."""
 
+import functools
 import json
 import re
 import types
@@ -128,8 +129,15 @@ def test_a_plan_fits_with_its_allowance():
 
 # --- every notebook at its gpu scale ---------------------------------------------------------------------------
 
-def gpu_parameters(notebook: str, caps) -> dict:
-    """The notebook's parameters cell, run as it runs on a machine with this GPU."""
+@pytest.fixture(scope="module")
+def gpu_parameters():
+    """The notebook's parameters cell, run as it runs on a machine with that GPU; read only, as the result is
+    shared. Some cells plan GPT-2 sizes to choose theirs (seconds): once per notebook and GPU, by the tests using
+    this fixture, which share one worker (tests/conftest.py)."""
+    return functools.cache(parameters_on)
+
+
+def parameters_on(notebook: str, caps) -> dict:
     nb = json.loads((ROOT / notebook).read_text())
     cell = next(c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
     fake = types.SimpleNamespace(**{n: getattr(helpers, n) for n in helpers.__all__})
@@ -219,7 +227,7 @@ PLANNED = ["ch04_flops/02_flops_analysis.ipynb", "ch05_training/01_pretraining.i
 
 @pytest.mark.parametrize("gpu", GPUS)
 @pytest.mark.parametrize("notebook", PLANNED)
-def test_every_notebook_plans_within_the_gpus_memory(notebook, gpu):
+def test_every_notebook_plans_within_the_gpus_memory(notebook, gpu, gpu_parameters):
     caps = REFERENCE_DEVICES[gpu]
     p = gpu_parameters(notebook, caps)
     planned = workloads(notebook, p, caps)
@@ -230,20 +238,19 @@ def test_every_notebook_plans_within_the_gpus_memory(notebook, gpu):
                                 f"{caps.total_memory_bytes / GIB:.1f} GiB"
 
 
-def test_a_t4_gets_fp16_where_a_notebook_used_to_hard_code_bf16():
+def test_a_t4_gets_fp16_where_a_notebook_used_to_hard_code_bf16(gpu_parameters):
     for notebook in ("ch03_attention/02_efficient_mha.ipynb", "ch03_attention/03_flash_attention.ipynb",
                      "ch06_inference/01_kv_cache.ipynb"):
         assert gpu_parameters(notebook, REFERENCE_DEVICES["t4"])["DTYPE"] == "float16", notebook
         assert gpu_parameters(notebook, REFERENCE_DEVICES["a100"])["DTYPE"] == "bfloat16", notebook
 
 
-def test_the_gpu_sizes_follow_the_gpus_memory():
+def test_the_gpu_sizes_follow_the_gpus_memory(gpu_parameters):
     """A T4 gets smaller batches than an A100, and only the GPT-2 sizes whose step fits."""
-    t4 = {n: gpu_parameters(n, REFERENCE_DEVICES["t4"]) for n in PLANNED}
-    a100 = {n: gpu_parameters(n, REFERENCE_DEVICES["a100"]) for n in PLANNED}
-    accumulation = "ch05_training/02_gradient_accumulation.ipynb"
+    accumulation, flops = "ch05_training/02_gradient_accumulation.ipynb", "ch04_flops/02_flops_analysis.ipynb"
+    t4 = {n: gpu_parameters(n, REFERENCE_DEVICES["t4"]) for n in (accumulation, flops)}
+    a100 = {n: gpu_parameters(n, REFERENCE_DEVICES["a100"]) for n in (accumulation, flops)}
     assert t4[accumulation]["EFFECTIVE_BATCH"] < a100[accumulation]["EFFECTIVE_BATCH"]
-    flops = "ch04_flops/02_flops_analysis.ipynb"
     assert t4[flops]["BENCH_PRESETS"] == ["gpt2-small"]
     assert len(a100[flops]["BENCH_PRESETS"]) > 1
 
@@ -252,7 +259,7 @@ NOTEBOOKS = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("ch*/*.ipynb"))
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS)
-def test_at_the_gpu_scale_a_notebooks_device_is_the_gpu(notebook):
+def test_at_the_gpu_scale_a_notebooks_device_is_the_gpu(notebook, gpu_parameters):
     """A device parameter hard-coded to the CPU sends the gpu scale's training to a free Colab's two vCPUs (hours)."""
     p = gpu_parameters(notebook, REFERENCE_DEVICES["t4"])
     devices = {name: value for name, value in p.items() if name.endswith("DEVICE")}
@@ -288,14 +295,11 @@ def training_seconds_on_a_t4(config: GPTConfig, tokens: int, dtype) -> float:
     return 6 * n_params(config) * tokens / T4_SUSTAINED[dtype]
 
 
-def test_the_long_training_notebooks_fit_ten_minutes_on_a_t4_by_estimate():
+def test_the_long_training_notebooks_fit_ten_minutes_on_a_t4_by_estimate(gpu_parameters):
     t4 = REFERENCE_DEVICES["t4"]
     low = autocast_dtype(t4)
-    p = {n: gpu_parameters(n, t4) for n in PLANNED}
-    pre = p["ch05_training/01_pretraining.ipynb"]
-    acc = p["ch05_training/02_gradient_accumulation.ipynb"]
-    mix = p["ch05_training/03_mixed_precision.ipynb"]
-    lr = p["ch05_training/05_lr_schedules.ipynb"]
+    pre, acc, mix, lr = (gpu_parameters(f"ch05_training/{name}.ipynb", t4) for name in (
+        "01_pretraining", "02_gradient_accumulation", "03_mixed_precision", "05_lr_schedules"))
     modern = gpu_parameters("ch08_modern_llm/01_from_gpt2_to_llama.ipynb", t4)
     runs_lr = 2 + 2 + len(lr["SWEEP_LRS"]) * len(lr["SWEEP_WARMUPS"]) * len(lr["SEEDS"])  # sections 2-4
     estimates = {

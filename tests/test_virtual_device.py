@@ -73,3 +73,12 @@ def test_numpy_of_an_accelerator_tensor_says_to_copy_it_first():
     with virtual_accelerator() as device, pytest.raises(PlacementError, match=r"\.cpu\(\)"):
         torch.ones(2, device=device).numpy()
     assert ACCELERATOR.type == "cpu"  # the code paths stay the CPU's
+
+
+def test_moving_a_tensor_copies_it_in_inference_mode_too():
+    """In inference mode `.to(device)` reaches the mode as aten::to, which on the CPU returns its input."""
+    with virtual_accelerator() as device, torch.inference_mode():
+        host = torch.zeros(3)
+        moved = host.to(device)
+        moved.add_(1)
+        assert torch.equal(host, torch.zeros(3)) and torch.equal(moved.cpu(), torch.ones(3))

@@ -111,12 +111,12 @@ class _Placement(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat, _ = tree_flatten((args, kwargs))
-        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-        accelerated = [t for t in tensors if on_accelerator(t)]
-        name = func._schema.name if hasattr(func, "_schema") else func.name()
+        name, writes, aliases = _schema_of(func)
+        tensors = list(_tensors(args, kwargs.values())) if name else \
+            [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]  # nested: a HOP's
+        accelerated = [t for t in tensors if t.device == ACCELERATOR]
         if accelerated and name not in MIXED_DEVICES_ALLOWED:
-            host = next((t for t in tensors if not on_accelerator(t) and t.dim() > 0), None)  # 0-d: a scalar
+            host = next((t for t in tensors if t.device != ACCELERATOR and t.dim() > 0), None)  # 0-d: a scalar
             if host is not None:
                 raise PlacementError(
                     f"{name}: a tensor on the CPU {tuple(host.shape)} {host.dtype} meets one on {ACCELERATOR} "
@@ -128,17 +128,55 @@ class _Placement(TorchDispatchMode):
                 kwargs = {**kwargs, "device": torch.device("cpu")}
         else:
             to_accelerator = bool(accelerated)
-        unwrapped = func(*tree_map(_host, args), **tree_map(_host, kwargs))
+        written = kwargs.get("out", args[0] if args else None)
+        if accelerated:
+            args, kwargs = (tree_map(_host, args), tree_map(_host, kwargs)) if not name else \
+                (_map(_host, args), {key: _map(_host, value) for key, value in kwargs.items()})
+        unwrapped = func(*args, **kwargs)
         if not to_accelerator:
             return unwrapped
-        returns = func._schema.returns if hasattr(func, "_schema") else ()
-        aliases = bool(returns) and returns[0].alias_info is not None
-        if aliases and returns[0].alias_info.is_write:
-            return args[0]  # in place: the caller's tensor, already on the accelerator
+        if unwrapped is written and not accelerated and not writes:  # aten::to, in inference mode: a copy to move
+            unwrapped = unwrapped.clone()
+        if writes:
+            return written  # in place: the caller's tensor, on the device it was
+        if not torch.is_inference_mode_enabled():
+            return _map(_AcceleratorTensor, unwrapped)
         # a view shares its base's version counter, which a tensor made in inference mode cannot
-        inference = torch.is_inference_mode_enabled() and not (aliases and not args[0].is_inference())
-        with torch.inference_mode(inference):
-            return tree_map(lambda t: _AcceleratorTensor(t) if isinstance(t, torch.Tensor) else t, unwrapped)
+        with torch.inference_mode(not (aliases and accelerated and not accelerated[0].is_inference())):
+            return _map(_AcceleratorTensor, unwrapped)
+
+
+_SCHEMAS: dict = {}
+
+
+def _schema_of(func) -> tuple[str | None, bool, bool]:
+    """(name, writes its first input, returns a view of it) of an operator; no name for a higher-order one."""
+    if func not in _SCHEMAS:
+        schema = getattr(func, "_schema", None)
+        alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
+        _SCHEMAS[func] = (schema.name if schema is not None else None, alias is not None and alias.is_write,
+                          alias is not None)
+    return _SCHEMAS[func]
+
+
+def _tensors(*groups):
+    """The tensors among an operator's arguments: each given directly or in a list."""
+    for group in groups:
+        for value in group:
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif isinstance(value, (list, tuple)):
+                yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def _map(fn, value):
+    """fn of each tensor in `value`, a tensor or a (nested) list or tuple of them; other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        mapped = [_map(fn, v) for v in value]
+        return type(value)(*mapped) if hasattr(value, "_fields") else type(value)(mapped)  # a named tuple
+    return value
 
 
 def _host(value: object) -> object:
