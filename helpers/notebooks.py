@@ -158,6 +158,7 @@ def clean_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
             cell.outputs = outputs
     return nb
 
+
 VIRTUAL_DEVICE_SOURCE = """\
 from helpers.system.virtual_device import ACCELERATOR, virtual_accelerator
 DEVICES_ON_THE_CPU = [name for name in globals() if name.endswith("DEVICE") and str(globals()[name]) == "cpu"]

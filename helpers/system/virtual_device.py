@@ -24,7 +24,7 @@ ACCELERATOR = torch.device("cpu", 0)
 # Operations that CUDA runs with host tensors among their inputs: copies between devices, and indexing with host
 # indices (CUDA copies the indices over).
 MIXED_DEVICES_ALLOWED = {"aten::copy_", "aten::_to_copy", "aten::copy", "aten::index", "aten::index_put_",
-                         "aten::index_put", "aten::_index_put_impl_", "aten::_copy_from", "aten::lift_fresh"}
+                         "aten::index_put", "aten::_index_put_impl_", "aten::_copy_from"}
 
 
 class PlacementError(RuntimeError):
