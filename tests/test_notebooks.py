@@ -16,6 +16,7 @@ from helpers.notebooks import (
     sync_bootstrap,
     terminal_text,
 )
+from helpers.system.files import CACHE_ENV
 
 NOTEBOOKS = find_notebooks()
 IDS = [str(p.relative_to(ROOT)) for p in NOTEBOOKS]
@@ -36,14 +37,39 @@ NOT_ON_THE_VIRTUAL_DEVICE = {
 }
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
-def test_notebook_runs_at_smoke_scale(path, tmp_path, monkeypatch):
+# ch05/07 reuses the run ch05/01 finished (Trainer.fit_or_reuse). Their smoke runs share a cache of their own, on
+# one worker, in this order, so a change that makes the two recipes differ fails ch05/07's run.
+SHARED_RUN = ("ch05_training/01_pretraining.ipynb", "ch05_training/07_decoding.ipynb")
+REUSED = "notebook 01's finished run, loaded from the course's cache"
+
+
+@pytest.fixture(scope="session")
+def shared_run_cache(tmp_path_factory):
+    return {"directory": tmp_path_factory.mktemp("course-cache"), "trained": False}
+
+
+def smoke_param(path):
+    shared = str(path.relative_to(ROOT)) in SHARED_RUN
+    return pytest.param(path, marks=[pytest.mark.xdist_group("shared-run")] if shared else [])
+
+
+@pytest.mark.parametrize("path", [smoke_param(p) for p in NOTEBOOKS], ids=IDS)
+def test_notebook_runs_at_smoke_scale(path, tmp_path, monkeypatch, shared_run_cache):
     """Every notebook runs; one whose DEVICE is the CPU here runs with it on a virtual second device, so a tensor,
     cache or generator left on the CPU fails here as it would on a GPU."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # run as a learner would (an old triton's tests set it)
-    virtual = str(path.relative_to(ROOT)) not in NOT_ON_THE_VIRTUAL_DEVICE
+    name = str(path.relative_to(ROOT))
+    if name in SHARED_RUN:
+        monkeypatch.setenv(CACHE_ENV, str(shared_run_cache["directory"]))
+    virtual = name not in NOT_ON_THE_VIRTUAL_DEVICE
     run = execute_notebook(path, tmp_path / path.name, smoke=True, timeout=300, virtual_device=virtual)
     assert run.error is None, run.error[-4000:]
+    if name == SHARED_RUN[0]:
+        shared_run_cache["trained"] = True
+    elif name == SHARED_RUN[1] and shared_run_cache["trained"]:
+        cells = nbformat.read(tmp_path / path.name, as_version=4).cells
+        assert any(REUSED in o.get("text", "") for c in cells for o in c.get("outputs", [])), (
+            "ch05/07 trained again the run ch05/01 had finished: their recipes differ")
 
 
 def test_a_notebook_that_leaves_a_tensor_on_the_cpu_fails_on_the_virtual_device(tmp_path):

@@ -231,6 +231,37 @@ def test_a_run_resumes_on_a_device_other_than_the_cpu(tmp_path):
                                                                   resumed.model.parameters(), strict=True))
 
 
+def test_a_finished_run_is_reused_by_a_trainer_with_the_same_weights_recipe_and_data(tmp_path, monkeypatch):
+    """fit_or_reuse trains once; a second Trainer with the same initial weights, recipe and data loads the weights
+    instead, whatever its evaluation interval (which does not change the weights: checked against a run trained
+    with another); other initial weights or another recipe train a run of their own."""
+    runs = tmp_path / "runs"
+    first = make_trainer(tmp_path / "a", eval_interval=3)
+    key = first.run_key()
+    first.fit_or_reuse("tiny", runs, progress=False)
+    assert [p.name for p in runs.glob("*.pt")] == [f"tiny-{key}.pt"]
+    with pytest.raises(ValueError, match="before training"):
+        first.run_key()
+
+    plain = make_trainer(tmp_path / "b", eval_interval=0)
+    plain.fit(progress=False)
+    reused = make_trainer(tmp_path / "c", eval_interval=0)
+    assert reused.run_key() == key
+    monkeypatch.setattr(reused, "train_step", lambda: pytest.fail("a finished run was trained again"))
+    reused.fit_or_reuse("tiny", runs, progress=False)
+    for (name, a), b, c in zip(first.model.state_dict().items(), plain.model.state_dict().values(),
+                               reused.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c), name
+    assert reused.step == 6 and reused.history["val_loss"][-1] == first.history["val_loss"][-1]
+
+    others = [make_trainer(tmp_path / "d", seed=123), make_trainer(tmp_path / "e", lr=1e-3, min_lr=1e-4)]
+    assert len({key, *(o.run_key() for o in others)}) == 3
+    for other in others:
+        other.fit_or_reuse("tiny", runs, progress=False)
+        assert not torch.equal(other.model.lm_head.weight, first.model.lm_head.weight)
+    assert len(list(runs.glob("*.pt"))) == 3
+
+
 def test_training_lowers_the_validation_loss_and_follows_the_schedule(tmp_path):
     trainer = make_trainer(tmp_path, steps=40, eval_interval=20, dropout=0.0, lr=1e-2, min_lr=1e-3)
     before = trainer.evaluate()

@@ -28,6 +28,7 @@ from ..system.device import (
     needs_grad_scaler,
     synchronize,
 )
+from ..system.files import cache_dir
 from ..text.data import NextTokenDataset
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .lr_schedule import check_schedule, learning_rate
@@ -301,6 +302,43 @@ class Trainer:
                 self.sample()
             if c.checkpoint_path and ((c.checkpoint_interval and self.step % c.checkpoint_interval == 0) or last):
                 self.save(c.checkpoint_path)
+        return self.history
+
+    def run_key(self) -> str:
+        """What decides this run's weights, hashed: the initial weights, the recipe, the precision, the training
+        tokens, the device type, torch's version and thread count (another machine or thread count rounds
+        differently). Only before the first step: the weights are the initial ones then."""
+        if self.step != 0:
+            raise ValueError(f"run_key hashes the initial weights: ask before training (this run is at step "
+                             f"{self.step})")
+        weights = hashlib.sha256()
+        for name, tensor in self.model.state_dict().items():
+            weights.update(name.encode())
+            weights.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        recipe = {key: value for key, value in asdict(self.config).items()
+                  if key not in ("eval_interval", "eval_batches", "sample_interval", "sample_prompt", "sample_tokens",
+                                 "checkpoint_path", "checkpoint_interval", "device")}
+        what = dict(model=asdict(self.model.config), weights=weights.hexdigest(), recipe=recipe,
+                    precision=self.precision.name, tokens=self.batches.tokens_sha256, device=self.device.type,
+                    torch=torch.__version__, threads=torch.get_num_threads())
+        return hashlib.sha256(repr(sorted(what.items())).encode()).hexdigest()[:16]
+
+    def run_path(self, name: str, directory: str | Path | None = None) -> Path:
+        """Where this run, finished, is kept for reuse: `directory/name-<run_key>.pt` (default directory: the
+        course's cache, `runs/`). Ask before the first step."""
+        return Path(directory or cache_dir() / "runs") / f"{name}-{self.run_key()}.pt"
+
+    def fit_or_reuse(self, name: str, directory: str | Path | None = None, progress: bool = True) -> dict:
+        """The finished run: loaded from `run_path(name, directory)` when an earlier run with exactly these initial
+        weights, recipe, data and machine saved it there (a later notebook reuses notebook 01's model instead of
+        training it again), else trained from here and saved there. Evaluation and sampling intervals do not change
+        the weights, so they may differ. Call it before the first step. Returns the history."""
+        path = self.run_path(name, directory)
+        if path.is_file():
+            self.load(path)
+        self.fit(progress=progress)
+        if not path.is_file():
+            self.save(path)
         return self.history
 
     def state_dict(self) -> dict:
