@@ -92,7 +92,7 @@ def test_penalties_change_greedy_decoding():
     torch.manual_seed(0)
     model = GPT(TINY).eval()
     prompt = torch.randint(0, VOCAB, (2, 4))
-    out = model.generate(prompt, 30, presence_penalty=1e4)  # a token once seen is never the argmax again
+    out = model.generate(prompt, 30, Sampling(presence_penalty=1e4))  # a token once seen is never the argmax again
     assert all(len(set(row.tolist())) == row.numel() for row in out)
     assert not torch.equal(out, model.generate(prompt, 30))
 
@@ -106,8 +106,8 @@ def test_cached_and_uncached_decoders_draw_the_same_tokens(kwargs):
     torch.manual_seed(1)
     model = GPT(TINY).double().eval()
     prompt = torch.randint(0, VOCAB, (3, 5))
-    expected = model.generate(prompt, 25, generator=torch.Generator().manual_seed(7), **kwargs)
-    got = generate_with_cache(model, prompt, 25, generator=torch.Generator().manual_seed(7), **kwargs)
+    expected = model.generate(prompt, 25, Sampling(**kwargs), torch.Generator().manual_seed(7))
+    got = generate_with_cache(model, prompt, 25, Sampling(**kwargs), torch.Generator().manual_seed(7))
     assert torch.equal(got, expected)
 
 
@@ -121,9 +121,9 @@ def test_cached_and_uncached_decoders_draw_the_same_tokens(kwargs):
 def test_bad_sampling_arguments_are_refused(kwargs, message):
     model = GPT(TINY)
     with pytest.raises(ValueError, match=message):
-        model.generate(torch.zeros(1, 2, dtype=torch.long), 2, temperature=1.0, **kwargs)
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 2, Sampling(temperature=1.0, **kwargs))
     with pytest.raises(ValueError, match=message):
-        generate_with_cache(model, torch.zeros(1, 2, dtype=torch.long), 2, temperature=1.0, **kwargs)
+        generate_with_cache(model, torch.zeros(1, 2, dtype=torch.long), 2, Sampling(temperature=1.0, **kwargs))
 
 
 def test_penalties_need_the_context():
@@ -144,8 +144,8 @@ def test_text_quality_measures_on_hand_worked_examples():
 def test_self_perplexity_is_the_models_likelihood_token_by_token():
     torch.manual_seed(2)
     model = GPT(TINY).double().eval()
-    seqs = model.generate(torch.randint(0, VOCAB, (2, 3)), 12, temperature=1.0,
-                          generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, VOCAB, (2, 3))
+    seqs = model.generate(prompt, 12, Sampling(temperature=1.0), torch.Generator().manual_seed(0))
     nll = []
     with torch.no_grad():
         for row in seqs:

@@ -13,6 +13,7 @@ import torch
 
 from helpers import GPT, GPTConfig
 from helpers.inference.kv_cache import KVCache, generate_with_cache, kv_cache_bytes_per_token
+from helpers.model.decoding import Sampling
 
 TINY = GPTConfig(vocab_size=97, context_length=48, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
 VARIANTS = {
@@ -60,10 +61,11 @@ def test_cached_logits_match_whole_sequence_forward(chunks):
 def test_sampling_identical_with_the_same_generator(temperature, top_k):
     model = model_for(TINY)
     idx = torch.randint(0, TINY.vocab_size, (3, 4), generator=torch.Generator().manual_seed(2))
-    expected = model.generate(idx, 30, temperature, top_k, generator=torch.Generator().manual_seed(7))
-    got = generate_with_cache(model, idx, 30, temperature, top_k, generator=torch.Generator().manual_seed(7))
+    sampling = Sampling(temperature=temperature, top_k=top_k)
+    expected = model.generate(idx, 30, sampling, torch.Generator().manual_seed(7))
+    got = generate_with_cache(model, idx, 30, sampling, torch.Generator().manual_seed(7))
     assert torch.equal(got, expected)
-    other = generate_with_cache(model, idx, 30, temperature, top_k, generator=torch.Generator().manual_seed(8))
+    other = generate_with_cache(model, idx, 30, sampling, torch.Generator().manual_seed(8))
     assert top_k == 1 or not torch.equal(other, expected)  # the generator, not a fixed seed, drives sampling
 
 
@@ -119,8 +121,8 @@ def test_the_last_new_token_needs_no_cache_slot():
         ((1, 4), 2.0, {}, "max_new_tokens must be an integer >= 1"),
         ((4,), 2, {}, "shape \\(batch, seq\\)"),
         ((2, 0), 2, {}, "seq >= 1"),
-        ((1, 4), 2, {"temperature": -1.0}, "temperature must be >= 0"),
-        ((1, 4), 2, {"temperature": 1.0, "top_k": 0}, "top_k must be an integer in"),
+        ((1, 4), 2, {"sampling": Sampling(temperature=-1.0)}, "temperature must be >= 0"),
+        ((1, 4), 2, {"sampling": Sampling(temperature=1.0, top_k=0)}, "top_k must be an integer in"),
     ],
 )
 def test_bad_input_is_rejected_with_a_clear_error(shape, new, kwargs, message):

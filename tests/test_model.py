@@ -10,6 +10,7 @@ from torch import nn
 
 from helpers import GPT, GPTConfig
 from helpers.model.attention import CausalSelfAttention
+from helpers.model.decoding import Sampling
 from helpers.model.gpt import FeedForward, SwiGLUFeedForward, swiglu_hidden_dim
 
 TINY = GPTConfig(vocab_size=97, context_length=32, d_model=48, n_heads=4, n_layers=2, dropout=0.0)
@@ -146,7 +147,7 @@ def test_sampling_is_seeded_and_top_k_restricts_the_choice():
     prompt = torch.randint(0, TINY.vocab_size, (4, 3))
 
     def sample(**kw):
-        return model.generate(prompt, 8, generator=torch.Generator().manual_seed(7), **kw)
+        return model.generate(prompt, 8, Sampling(**kw), torch.Generator().manual_seed(7))
 
     assert torch.equal(sample(temperature=1.0), sample(temperature=1.0))
     assert torch.equal(sample(temperature=1.0, top_k=1), model.generate(prompt, 8))
@@ -163,13 +164,15 @@ def test_generation_restores_training_mode_and_rejects_bad_arguments():
     with pytest.raises(ValueError, match="prompt has 33 tokens but the context length is 32"):
         model.generate(torch.zeros(1, 33, dtype=torch.long), 1)
     with pytest.raises(ValueError, match="top_k must be an integer in"):
-        model.generate(torch.zeros(1, 1, dtype=torch.long), 1, temperature=1.0, top_k=0)
+        model.generate(torch.zeros(1, 1, dtype=torch.long), 1, Sampling(temperature=1.0, top_k=0))
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         model.generate(torch.zeros(1, 1, dtype=torch.long), -1)
     with pytest.raises(TypeError, match="prompts of different lengths"):
         model.generate([[1, 2], [3]], 1)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
-        model.generate(torch.zeros(1, 1, dtype=torch.long), 1, temperature=-1.0)
+        model.generate(torch.zeros(1, 1, dtype=torch.long), 1, Sampling(temperature=-1.0))
+    with pytest.raises(TypeError, match="sampling must be a helpers.model.decoding.Sampling"):
+        model.generate(torch.zeros(1, 1, dtype=torch.long), 1, 0.8)  # a temperature where the Sampling goes
 
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])

@@ -45,11 +45,12 @@ def models():
 def test_greedy_is_token_identical_to_the_target_alone(models, k, prompt_len, penalty):
     target, draft = models
     idx = torch.randint(0, VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(k))
-    expected = target.generate(idx, 40, repetition_penalty=penalty)
-    out, stats = speculative_generate(target, draft, idx, 40, k=k, repetition_penalty=penalty)
+    sampling = Sampling(repetition_penalty=penalty)
+    expected = target.generate(idx, 40, sampling)
+    out, stats = speculative_generate(target, draft, idx, 40, k=k, sampling=sampling)
     assert torch.equal(out, expected)
     assert stats.accepted + stats.rounds >= 40 and stats.proposed <= k * stats.rounds
-    same, same_stats = speculative_generate(target, target, idx, 40, k=k, repetition_penalty=penalty)
+    same, same_stats = speculative_generate(target, target, idx, 40, k=k, sampling=sampling)
     assert torch.equal(same, expected) and same_stats.acceptance_rate == 1.0  # a perfect draft is always kept
 
 
@@ -104,7 +105,7 @@ def test_sampled_tokens_are_distributed_as_the_targets(k):
     g = torch.Generator().manual_seed(1)
     accepted = proposed = 0
     for _ in range(draws):
-        out, stats = speculative_generate(target, draft, idx, 2, k=k, temperature=1.0, generator=g)
+        out, stats = speculative_generate(target, draft, idx, 2, k=k, sampling=sampling, generator=g)
         counts[out[0, -2] * vocab + out[0, -1]] += 1
         accepted, proposed = accepted + stats.accepted, proposed + stats.proposed
     assert passes(counts, joint.float() * draws)

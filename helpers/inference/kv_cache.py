@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..model.config import GPTConfig
-from ..model.decoding import Sampling, cached_positions, check_decoding, check_prompt
+from ..model.decoding import GREEDY, Sampling, cached_positions, check_decoding, check_prompt
 from ..model.gpt import GPT
 from .kv_quant import SCALE_DTYPE, check_kv_cache_dtype, dequantize_kv, quantize_kv
 
@@ -119,24 +119,19 @@ def generate_with_cache(
     model: GPT,
     idx: torch.Tensor,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
+    sampling: Sampling = GREEDY,
     generator: torch.Generator | None = None,
     *,
-    top_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    frequency_penalty: float = 0.0,
-    presence_penalty: float = 0.0,
     kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
-    """`GPT.generate` with a KV cache: prefill the prompts (batch, seq) of equal length, then one token per step.
+    """`GPT.generate` with a KV cache: prefill the prompts (batch, seq) of equal length, then one token per step,
+    each picked by `sampling` (greedy by default).
 
     Returns the prompts with `max_new_tokens` tokens appended, the same tokens `GPT.generate` picks
     (up to floating-point ties: a one-token step and a whole-sequence forward round differently).
     `kv_cache_dtype="int8"` stores the cache in int8 (`helpers.inference.kv_quant`): an approximation.
     """
     int8 = check_kv_cache_dtype(kv_cache_dtype)
-    sampling = Sampling(temperature, top_k, top_p, repetition_penalty, frequency_penalty, presence_penalty)
     check_prompt(idx, model.config.vocab_size)
     check_decoding(max_new_tokens, sampling, model.config.vocab_size)
     ctx, cached = model.config.context_length, cached_positions(idx.size(1), max_new_tokens)

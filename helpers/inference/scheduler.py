@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..model.decoding import Sampling, cached_positions
+from ..model.decoding import GREEDY, Sampling, cached_positions
 from .paged_kv import PagedKVCache
 
 
@@ -30,7 +30,7 @@ class Request:
     prompt: tuple[int, ...]
     max_tokens: int
     eos_id: int | None = None
-    sampling: Sampling = Sampling()
+    sampling: Sampling = GREEDY
     seed: int | None = None
 
 

@@ -31,14 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.decoding import Sampling, cached_positions, check_decoding
+from ..model.decoding import GREEDY, Sampling, cached_positions, check_decoding
 from ..model.gpt import GPT
 from .kv_quant import check_kv_cache_dtype
 from .paged_kv import BatchRow, PagedBatch, PagedKVCache
 from .scheduler import SCHEDULERS, Chunk, Request, SequenceState
 
 SCHEDULINGS = tuple(SCHEDULERS)
-GREEDY = Sampling()
 
 
 @dataclass

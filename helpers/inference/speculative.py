@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..model.decoding import Sampling, check_decoding, check_prompt
+from ..model.decoding import GREEDY, Sampling, check_decoding, check_prompt
 from ..model.gpt import GPT
 from .kv_cache import KVCache
 
@@ -80,19 +80,12 @@ def speculative_generate(
     idx: torch.Tensor,
     max_new_tokens: int,
     k: int = 4,
-    temperature: float = 0.0,
-    top_k: int | None = None,
+    sampling: Sampling = GREEDY,
     generator: torch.Generator | None = None,
-    *,
-    top_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    frequency_penalty: float = 0.0,
-    presence_penalty: float = 0.0,
 ) -> tuple[torch.Tensor, SpeculativeStats]:
     """Append `max_new_tokens` tokens to the prompt idx (1, seq) as the target would pick them, drafted `k` at a
-    time. Greedy (temperature 0) gives the target's greedy tokens; sampling draws each token from the target's
-    distribution (`helpers.model.decoding.Sampling`, as in `GPT.generate`). Returns the tokens and the statistics."""
-    sampling = Sampling(temperature, top_k, top_p, repetition_penalty, frequency_penalty, presence_penalty)
+    time. Greedy (the default) gives the target's greedy tokens; a sampling `Sampling` draws each token from the
+    target's distribution under it, as `GPT.generate` does. Returns the tokens and the statistics."""
     check_prompt(idx, target.config.vocab_size)
     check_decoding(max_new_tokens, sampling, target.config.vocab_size)
     _check_pair(target, draft, k)

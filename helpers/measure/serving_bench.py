@@ -7,7 +7,6 @@ utilisation, and a float64 check that both engines produce exactly the tokens of
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 
 import torch
@@ -52,8 +51,7 @@ def reference_tokens(model: GPT, request: Request) -> list[int]:
         if request.seed is None:
             raise ValueError(f"request {request.request_id!r} samples without a seed: give it one to reproduce it")
         generator = torch.Generator(device).manual_seed(request.seed)
-    out = model.generate(torch.tensor([request.prompt], device=device), request.max_tokens, generator=generator,
-                         **dataclasses.asdict(sampling))  # its fields are generate's decoding arguments
+    out = model.generate(torch.tensor([request.prompt], device=device), request.max_tokens, sampling, generator)
     tokens = out[0, len(request.prompt) :].tolist()
     if request.eos_id in tokens:
         tokens = tokens[: tokens.index(request.eos_id) + 1]

@@ -29,9 +29,13 @@ def check_token_ids(idx: torch.Tensor, vocab_size: int) -> None:
 
 
 def check_decoding(max_new_tokens: int, sampling: Sampling, vocab_size: int) -> None:
-    """The arguments every decoder (GPT.generate, the KV-cache generator, the serving engine) accepts."""
+    """The arguments every decoder (GPT.generate, the KV-cache generator, speculative decoding, the serving engine)
+    accepts."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling must be a helpers.model.decoding.Sampling, e.g. Sampling(temperature=0.8, "
+                        f"top_k=40) (GREEDY: argmax), got {sampling!r}")
     sampling.check(vocab_size)
 
 
@@ -127,3 +131,6 @@ class Sampling:
         if self.temperature == 0.0:
             return logits.argmax(dim=-1, keepdim=True)
         return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+
+
+GREEDY = Sampling()  # the default of every decoder: the argmax, no penalties

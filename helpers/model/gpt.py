@@ -15,7 +15,7 @@ from torch import nn
 from .attention import CausalSelfAttention, KVCacheView, check_attn_implementation
 from .checkpointing import check_checkpointing, checkpointed
 from .config import GPTConfig
-from .decoding import Sampling, check_decoding, check_prompt, check_token_ids
+from .decoding import GREEDY, Sampling, check_decoding, check_prompt, check_token_ids
 from .lm_head import chunked_cross_entropy
 from .rope import rope_angles
 
@@ -239,23 +239,14 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         max_new_tokens: int,
-        temperature: float = 0.0,
-        top_k: int | None = None,
+        sampling: Sampling = GREEDY,
         generator: torch.Generator | None = None,
-        *,
-        top_p: float | None = None,
-        repetition_penalty: float = 1.0,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
     ) -> torch.Tensor:
-        """Append `max_new_tokens` tokens to `idx` (batch, seq).
-
-        temperature 0 is greedy decoding; otherwise sample from softmax(logits / temperature), restricted to the
-        `top_k` most likely tokens and the `top_p` nucleus when given; the penalties discourage tokens already in
-        the sequence (`helpers.model.decoding.Sampling`). Once the sequence is longer than the context, the model
-        sees its last `context_length` tokens (a sliding window).
+        """Append `max_new_tokens` tokens to `idx` (batch, seq), each picked by `sampling`
+        (`helpers.model.decoding.Sampling`: greedy by default; temperature, top-k, top-p and the penalties), drawn
+        with `generator` when it samples. Once the sequence is longer than the context, the model sees its last
+        `context_length` tokens (a sliding window).
         """
-        sampling = Sampling(temperature, top_k, top_p, repetition_penalty, frequency_penalty, presence_penalty)
         check_prompt(idx, self.config.vocab_size)
         check_decoding(max_new_tokens, sampling, self.config.vocab_size)
         ctx = self.config.context_length

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..model.decoding import Sampling
 from ..system.device import (
     DeviceCapabilities,
     autocast_dtype,
@@ -34,6 +35,7 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .lr_schedule import check_schedule, learning_rate
 from .step import IGNORE_INDEX, TrainingStep, autocast_context, token_loss_sum
 
+SAMPLE_SAMPLING = Sampling(temperature=0.8, top_k=40)  # the samples shown during training
 PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -267,8 +269,8 @@ class Trainer:
         self.history["val_loss"].append(loss)
         return loss
 
-    def sample(self, prompt: str | None = None, max_new_tokens: int | None = None, temperature: float = 0.8,
-               top_k: int | None = 40) -> str:
+    def sample(self, prompt: str | None = None, max_new_tokens: int | None = None,
+               sampling: Sampling = SAMPLE_SAMPLING) -> str:
         """A continuation of the prompt, drawn with its own generator so training's random streams are untouched."""
         if self.tokenizer is None:
             raise ValueError("sampling needs a tokenizer: pass tokenizer=helpers.get_tokenizer() to the Trainer")
@@ -276,8 +278,7 @@ class Trainer:
         ids = torch.tensor([self.tokenizer.encode(prompt)], device=self.device)
         generator = torch.Generator(self.device).manual_seed(self.config.seed)
         with self.precision.autocast():
-            out = self.model.generate(ids, max_new_tokens or self.config.sample_tokens, temperature=temperature,
-                                      top_k=top_k, generator=generator)
+            out = self.model.generate(ids, max_new_tokens or self.config.sample_tokens, sampling, generator)
         text = self.tokenizer.decode(out[0, ids.size(1):].tolist())
         self.history["samples"].append((self.step, text))
         return text
