@@ -78,7 +78,7 @@ def test_int8_decode_steps_read_what_earlier_steps_stored(model64):
 def test_int8_cache_bytes_match_the_formula_and_halve_bf16(preset):
     config = GPTConfig.from_preset(preset)
     cache = KVCache(config, batch=2, max_len=3, dtype=torch.float32, int8=True)
-    tensors = (*cache.keys, *cache.values, *cache.scales)
+    tensors = (*cache.keys, *cache.values, *cache.storage.key_scales, *cache.storage.value_scales)
     measured = sum(t.untyped_storage().nbytes() for t in tensors)
     assert measured == cache.nbytes == 2 * 3 * kv_bytes_per_token_int8(config)
     paged = PagedKVCache(config.n_layers, config.kv_heads, config.head_dim, num_blocks=2, block_size=4, int8=True)

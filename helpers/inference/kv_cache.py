@@ -19,7 +19,8 @@ import torch
 from ..model.config import GPTConfig
 from ..model.decoding import GREEDY, Sampling, cached_positions, check_decoding, check_prompt
 from ..model.gpt import GPT
-from .kv_quant import SCALE_DTYPE, check_kv_cache_dtype, dequantize_kv, quantize_kv
+from .cached_attention import KVStorage, attend_cached
+from .kv_quant import check_kv_cache_dtype
 
 
 def kv_cache_bytes_per_token(config: GPTConfig, dtype: torch.dtype = torch.float32) -> int:
@@ -54,19 +55,15 @@ class KVCache:
                 f"max_len {max_len} exceeds the context length {config.context_length}: the position "
                 "embeddings stop there"
             )
-        shape = (batch, config.kv_heads, max_len, config.head_dim)
-        stored = torch.int8 if int8 else dtype
-        self.keys = [torch.zeros(shape, dtype=stored, device=device) for _ in range(config.n_layers)]
-        self.values = [torch.zeros(shape, dtype=stored, device=device) for _ in range(config.n_layers)]
-        scale_shape = (*shape[:-1], 1)
-        self.scales = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device)  # keys', then values', per layer
-                       for _ in range(2 * config.n_layers)] if int8 else []
+        self.storage = KVStorage(config.n_layers, (batch, config.kv_heads, max_len, config.head_dim), dtype, device,
+                                 int8)
+        self.keys, self.values = self.storage.keys, self.storage.values  # per layer: (batch, heads, max_len, head_dim)
         self.batch, self.max_len, self.length, self.dtype, self.int8 = batch, max_len, 0, dtype, int8
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the cache tensors (allocated for max_len positions, filled or not), scales included."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.scales))
+        return self.storage.nbytes
 
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
         if self.length + seq > self.max_len:
@@ -76,32 +73,14 @@ class KVCache:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """Write the new positions' keys and values of `layer`, then attend over positions 0 .. length + new - 1.
-
-        Query i (absolute position length + i) may see keys 0 .. length + i: every stored key when there is one new
-        token, the usual causal mask when the cache was empty (so SDPA may pick its fastest kernel), else an offset
-        mask.
-        """
+        """Write the new positions' keys and values of `layer`, then attend over positions 0 .. length + new - 1
+        (`cached_attention.attend_cached`: query i, at absolute position length + i, sees keys 0 .. length + i)."""
         if q.size(0) != self.batch:
             raise ValueError(f"the cache holds {self.batch} sequences but the input has {q.size(0)}")
-        start, seq = self.length, k.size(2)
-        end = start + seq
-        if self.int8:
-            k_scales, v_scales = self.scales[2 * layer], self.scales[2 * layer + 1]
-            self.keys[layer][:, :, start:end], k_scales[:, :, start:end] = quantize_kv(k)
-            self.values[layer][:, :, start:end], v_scales[:, :, start:end] = quantize_kv(v)
-            keys = dequantize_kv(self.keys[layer][:, :, :end], k_scales[:, :, :end], q.dtype)
-            values = dequantize_kv(self.values[layer][:, :, :end], v_scales[:, :, :end], q.dtype)
-        else:
-            self.keys[layer][:, :, start:end] = k
-            self.values[layer][:, :, start:end] = v
-            keys, values = self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
-        if seq == 1:
-            return kernel(q, keys, values, is_causal=False)
-        if start == 0:
-            return kernel(q, keys, values, is_causal=True)
-        allowed = torch.ones(seq, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
-        return kernel(q, keys, values, attn_mask=allowed, is_causal=False)
+        start, end = self.length, self.length + k.size(2)
+        self.storage.write(layer, (slice(None), slice(None), slice(start, end)), k, v)
+        keys, values = self.storage.read(layer, (slice(None), slice(None), slice(0, end)), q.dtype)
+        return attend_cached(q, keys, values, start, kernel)
 
     def advance(self, seq: int) -> None:
         self.length += seq

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from ..model.attention import sdpa_attention
-from .kv_quant import SCALE_DTYPE, dequantize_kv, quantize_kv
+from .cached_attention import KVStorage, attend_cached
 from .prefix_cache import ROOT, PrefixIndex, PrefixMatch
 
 
@@ -99,8 +99,9 @@ class BlockAllocator:
 class PagedKVCache:
     """Keys and values of every layer in `num_blocks` blocks of `block_size` token slots each.
 
-    Storage is (n_layers, num_blocks, block_size, n_heads, head_dim) for keys and the same for values. Token
-    `p` of a sequence lives in slot `p % block_size` of block `block_table[p // block_size]`.
+    Each layer's keys are stored as (num_blocks * block_size, n_heads, head_dim), and its values the same: token
+    `p` of a sequence lives in flat slot `block * block_size + p % block_size`, `block = block_table[p //
+    block_size]`.
 
     With `prefix_caching`, full blocks are indexed by the tokens up to their end (`helpers.inference.prefix_cache`)
     as sequences compute them (`commit`), a new sequence starts from the blocks of its longest cached prefix
@@ -118,14 +119,8 @@ class PagedKVCache:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
-        shape = (n_layers, num_blocks, block_size, n_heads, head_dim)
-        stored = torch.int8 if int8 else dtype
-        self.k = torch.zeros(shape, dtype=stored, device=device)
-        self.v = torch.zeros(shape, dtype=stored, device=device)
-        scale_shape = (*shape[:-1], 1) if int8 else (0,)
-        self.k_scale = torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device)
-        self.v_scale = torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device)
-        self.dtype, self.int8 = dtype, int8
+        self.storage = KVStorage(n_layers, (num_blocks * block_size, n_heads, head_dim), dtype, device, int8)
+        self.dtype, self.int8, self.device = dtype, int8, self.storage.device
         self.block_tables: dict[Hashable, list[int]] = {}
         self._tables: dict[Hashable, torch.Tensor] = {}  # the same tables as tensors, for indexing
         self.prefix_index = PrefixIndex(block_size) if prefix_caching else None
@@ -143,8 +138,7 @@ class PagedKVCache:
     @property
     def bytes_per_slot(self) -> int:
         """Bytes of keys and values (and their scales) one token takes across all layers."""
-        scales = self.k_scale[:, 0, 0].numel() * self.k_scale.element_size() if self.int8 else 0
-        return 2 * (self.k[:, 0, 0].numel() * self.k.element_size() + scales)
+        return self.storage.nbytes // (self.num_blocks * self.block_size)
 
     def blocks_for(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.block_size)
@@ -165,7 +159,7 @@ class PagedKVCache:
         table = self.block_tables.setdefault(seq_id, [])
         if new or seq_id not in self._tables:
             table.extend(new)
-            self._tables[seq_id] = torch.tensor(table, dtype=torch.long, device=self.k.device)
+            self._tables[seq_id] = torch.tensor(table, dtype=torch.long, device=self.device)
 
     def release(self, seq_id: Hashable) -> None:
         """Drop `seq_id`'s hold on its blocks: those nobody else holds are free for other sequences at once
@@ -210,8 +204,8 @@ class PagedKVCache:
             i = match.tokens // self.block_size
             (copy,) = self.allocator.allocate(1)
             self.prefix_index.forget(copy)
-            for store in (self.k, self.v, self.k_scale, self.v_scale) if self.int8 else (self.k, self.v):
-                store[:, copy] = store[:, table[i]]
+            size = self.block_size
+            self.storage.copy(slice(table[i] * size, (table[i] + 1) * size), slice(copy * size, (copy + 1) * size))
             self.allocator.free([table[i]], retain=self.prefix_index)
             table[i] = copy
         self.block_tables[seq_id] = table
@@ -235,13 +229,13 @@ class PagedKVCache:
         """Flat slot indices (block * block_size + offset) of positions start..end-1 of `seq_id`."""
         if end > len(self.block_tables[seq_id]) * self.block_size:
             raise ValueError(f"positions up to {end} of sequence {seq_id!r} are beyond its reserved blocks")
-        pos = torch.arange(start, end, device=self.k.device)
+        pos = torch.arange(start, end, device=self.device)
         return self._tables[seq_id][pos // self.block_size] * self.block_size + pos % self.block_size
 
     def padded_slots(self, seq_ids: list[Hashable], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots of positions 0..length-1 of several sequences, padded to the longest: (slots, valid), both of
         shape (sequences, max length); padding points at slot 0 and is False in `valid`."""
-        device, width = self.k.device, self.blocks_for(max(lengths))
+        device, width = self.device, self.blocks_for(max(lengths))
         pos = torch.arange(max(lengths), device=device)
         valid = pos < torch.tensor(lengths, device=device)[:, None]
         rows = [self.block_tables[s][: self.blocks_for(n)] for s, n in zip(seq_ids, lengths, strict=True)]
@@ -251,20 +245,11 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v of shape (tokens, n_heads, head_dim) into the given flat slots of one layer."""
-        if self.int8:
-            (k, k_scale), (v, v_scale) = quantize_kv(k), quantize_kv(v)
-            self.k_scale[layer].view(-1, *k_scale.shape[1:])[slots] = k_scale
-            self.v_scale[layer].view(-1, *v_scale.shape[1:])[slots] = v_scale
-        self.k[layer].view(-1, *k.shape[1:])[slots] = k
-        self.v[layer].view(-1, *v.shape[1:])[slots] = v
+        self.storage.write(layer, slots, k, v)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one layer at the given flat slots: shape slots.shape + (n_heads, head_dim)."""
-        k, v = self.k[layer].flatten(0, 1)[slots], self.v[layer].flatten(0, 1)[slots]
-        if self.int8:
-            k = dequantize_kv(k, self.k_scale[layer].flatten(0, 1)[slots], self.dtype)
-            v = dequantize_kv(v, self.v_scale[layer].flatten(0, 1)[slots], self.dtype)
-        return k, v
+        return self.storage.read(layer, slots)
 
     def gather(self, layer: int, seq_id: Hashable, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` keys and values of `seq_id` at one layer, read through its block table, as
@@ -275,20 +260,13 @@ class PagedKVCache:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
            kernel: Callable[..., torch.Tensor] = sdpa_attention) -> torch.Tensor:
-    """Causal attention of new queries over a sequence's cached keys: q (heads, n, head_dim) holds positions
-    start..start+n-1, k and v (heads, start+n, head_dim) hold positions 0..start+n-1. Query i sees keys 0..start+i.
+    """One sequence's new queries q (heads, n, head_dim), positions start..start+n-1, over its keys and values
+    (heads, start+n, head_dim) gathered from its blocks: `cached_attention.attend_cached`, the rule of every cache.
 
     The same softmax(q k^T / sqrt(head_dim)) v as any attention: where k and v came from does not enter the math.
     `kernel` is a masked attention kernel of `helpers.model.attention` (the model's own, in `PagedBatch`).
     """
-    q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    n = q.size(2)
-    if n == 1:  # one new token (decoding) sees every cached key
-        return kernel(q, k, v, is_causal=False)[0]
-    if start == 0:  # a whole prompt: the usual causal mask
-        return kernel(q, k, v, is_causal=True)[0]
-    allowed = torch.arange(k.size(2), device=q.device) <= torch.arange(start, start + n, device=q.device)[:, None]
-    return kernel(q, k, v, attn_mask=allowed, is_causal=False)[0]
+    return attend_cached(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), start, kernel)[0]
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
@@ -330,7 +308,7 @@ class PagedBatch:
         lengths = [n for _, _, n in rows]
         if lengths != sorted(lengths, key=lambda n: n > 1):
             raise ValueError("put the one-token rows of a PagedBatch first (their attention is one batched call)")
-        device = cache.k.device
+        device = cache.device
         self.cache = cache
         self.tokens = sum(n for _, _, n in rows)
         self.pos = torch.cat([torch.arange(start, start + n, device=device) for _, start, n in rows])

@@ -217,7 +217,7 @@ class Engine:
         generator = None
         if request.sampling.temperature > 0:
             seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()))
-            generator = torch.Generator(self.cache.k.device).manual_seed(seed)
+            generator = torch.Generator(self.cache.device).manual_seed(seed)
         seq = SequenceState(request, time.perf_counter(), tokens=prompt, generator=generator)
         self._pending[rid] = seq
         self.scheduler.waiting.append(seq)
@@ -229,7 +229,7 @@ class Engine:
         the ragged batch of chunks, its attention reading and writing the paged cache (`PagedBatch`)."""
         batch = PagedBatch(self.cache, [BatchRow(seq.request.request_id, start, n) for seq, start, n in plan])
         ids = torch.tensor([t for seq, start, n in plan for t in seq.tokens[start : start + n]],
-                           device=self.cache.k.device)
+                           device=self.cache.device)
         return self.model(ids.unsqueeze(0), cache=batch, logits_at=batch.last)[0]
 
     # ---- one iteration ----
