@@ -6,19 +6,20 @@ first code cell of every notebook, so a fork changes `REPOSITORY_URL` and runs t
 
 from __future__ import annotations
 
+import datetime
 import html
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
-from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
-from traitlets.config import Config
 
+from .cli import Command
 from .measure.claims import claims_in_text
+from .system.args import positive_float, positive_int
 from .system.files import atomic_path
 from .system.repository import REPOSITORY_URL, REVISION, ROOT
 
@@ -190,6 +191,10 @@ def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
     end this notebook's run with its `error`, never the caller's loop over notebooks; the outputs up to there
     are saved all the same, so the report shows where it stopped.
     """
+    from nbclient import NotebookClient  # here, not at import: `python -m helpers --help` stays fast
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+    from traitlets.config import Config
+
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     if virtual_device:
@@ -326,3 +331,108 @@ def update_readme(readme: Path = ROOT / "README.md", paths: list[Path] | None = 
     with atomic_path(readme) as tmp:
         tmp.write_text(text)
     return True
+
+
+def run_notebooks(paths: list[Path], out: Path, smoke: bool, timeout: int) -> int:
+    """Execute `paths` one after another into `out` (the course's layout), printing each one's time and the time
+    left by the recorded times; returns the number that failed."""
+    print(f"executing {len(paths)} notebook(s) at {'smoke' if smoke else 'default'} scale into {out}/")
+    failed = 0
+    for i, path in enumerate(paths):
+        rel = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else Path(path.name)
+        print(f"[{i + 1}/{len(paths)}] {rel}{'' if smoke else remaining_estimate(paths, i)}", flush=True)
+        run = execute_notebook(path, out / rel, smoke=smoke, timeout=timeout)
+        failed += run.error is not None
+        print(f"{'FAIL' if run.error else 'ok':>4}  {run.seconds:7.1f} s  {rel}", flush=True)
+        if run.error:
+            print(run.error[-3000:], file=sys.stderr)
+    print(f"{len(paths) - failed} passed, {failed} failed")
+    return failed
+
+
+def record_notebooks(paths: list[Path], threads: int, max_busy: float, force: bool, timeout: int) -> bool:
+    """Re-record `paths` in place at the default scale, one at a time, each with `threads` torch threads; a notebook
+    is saved only when other programs used at most `max_busy` cores just before and after it (`force`: always).
+    The README's recorded times and claims follow when the notebooks are the course's. Returns whether all were
+    saved."""
+    import torch
+
+    from .system.device import detect_capabilities
+    from .system.scale import current_scale
+
+    caps = detect_capabilities()
+    meta = {"machine": caps.name, "device": caps.device_type, "bf16_native": caps.bf16_native,
+            "torch": torch.__version__, "threads": threads, "scale": current_scale(caps.device_type)}
+
+    def quiet(when: str) -> bool:
+        busy = busy_cores()
+        if busy is None:
+            print(f"  {when}: cannot read this machine's load (no /proc/stat); not checked")
+            return True
+        print(f"  {when}: other programs used {busy:.2f} cores (limit {max_busy})", flush=True)
+        return busy <= max_busy or force
+
+    print(f"recording {len(paths)} notebook(s) in place, one at a time: {meta}")
+    for i, path in enumerate(paths):
+        print(f"[{i + 1}/{len(paths)}] {path.parent.name}/{path.name}{remaining_estimate(paths, i)}", flush=True)
+        if not quiet("before"):
+            print("the machine is busy: stop what else runs, or pass --force to record anyway", file=sys.stderr)
+            return False
+        date = datetime.datetime.now(datetime.UTC).date().isoformat()
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".record-") as tmp:  # same disk: an atomic move
+            result = execute_notebook(path, Path(tmp) / path.name, smoke=False, timeout=timeout, threads=threads,
+                                      metadata={**meta, "recorded": date})
+            print(f"  {'FAIL' if result.error else 'ok'} in {result.seconds / 60:.1f} min", flush=True)
+            if result.error:
+                print(result.error[-3000:], file=sys.stderr)
+                return False
+            if not quiet("after"):
+                print(f"the machine got busy while {path.name} ran: its outputs are not saved; record it again "
+                      "on a quiet machine, or pass --force", file=sys.stderr)
+                return False
+            os.replace(Path(tmp) / path.name, path)
+    if all(p.is_relative_to(ROOT) for p in paths):
+        update_readme()  # the README's times and claims are the recording's
+    return True
+
+
+def _run_arguments(parser) -> None:
+    parser.add_argument("notebooks", nargs="*", help="notebooks to run (default: every chapter's)")
+    parser.add_argument("--out", default="reports", help="folder for the executed copies (default: reports)")
+    parser.add_argument("--smoke", action="store_true", help="smoke scale (same as COURSE_SMOKE=1)")
+    parser.add_argument("--timeout", type=positive_int, default=900, help="seconds allowed per cell")
+
+
+def _run(args) -> int:
+    from .system.scale import smoke_requested
+
+    paths = [Path(p) for p in args.notebooks] or find_notebooks()
+    return 1 if run_notebooks(paths, Path(args.out), args.smoke or smoke_requested(), args.timeout) else 0
+
+
+def _record_arguments(parser) -> None:
+    parser.add_argument("notebooks", nargs="*", help="notebooks to record (default: every chapter's)")
+    parser.add_argument("--threads", type=positive_int, help="torch threads in every notebook (default: all cores)")
+    parser.add_argument("--max-busy", type=positive_float, default=0.3,
+                        help="most cores other programs may use before and after each notebook (default 0.3)")
+    parser.add_argument("--force", action="store_true", help="record even on a busy machine")
+    parser.add_argument("--timeout", type=positive_int, default=900, help="seconds allowed per cell")
+
+
+def _record(args) -> int:
+    paths = [Path(p).resolve() for p in args.notebooks] or find_notebooks()
+    saved = record_notebooks(paths, args.threads or os.cpu_count() or 1, args.max_busy, args.force, args.timeout)
+    return 0 if saved else 1
+
+
+def _sync(args) -> int:
+    for path in find_notebooks():
+        if sync_bootstrap(path):
+            print(f"updated {path}")
+    return 0
+
+
+RUN_COMMAND = Command("run-notebooks", "execute notebooks headless into a report folder", _run_arguments, _run)
+RECORD_COMMAND = Command("record", "re-record notebooks in place at the default scale, one at a time, on a quiet "
+                         "machine", _record_arguments, _record)
+SYNC_COMMAND = Command("sync-bootstrap", "write the bootstrap cell into every notebook", lambda parser: None, _sync)

@@ -2,6 +2,7 @@
 
 import pytest
 
+from helpers.__main__ import COMMANDS as TABLE
 from helpers.__main__ import main
 
 BAD_ARGUMENTS = [
@@ -61,8 +62,7 @@ def test_commands_print_no_warnings_of_the_libraries_they_use(python_process, ar
     assert "Warning" not in done.stderr, done.stderr
 
 
-COMMANDS = ["env", "bench-attention", "flops", "bench-load", "bench-serve", "bench-decode", "bench-train",
-            "run-notebooks", "sync-bootstrap"]
+COMMANDS = [command.name for command in TABLE]
 BENCHMARK_LIBRARIES = ("fvcore", "transformers", "triton", "torchao", "matplotlib", "nbclient")
 
 
@@ -82,8 +82,9 @@ def test_help_imports_no_benchmark_library(python_process):
 
 
 def test_scale_defaults_are_written_once_and_shown_by_help(capsys, monkeypatch):
-    """The help text and the values a command runs with both come from SCALE_DEFAULTS."""
-    from helpers.__main__ import SCALE_DEFAULTS, fill_scale_defaults
+    """The help text and the values a command runs with both come from the command's scale_defaults."""
+    from helpers.cli import fill_scale_defaults
+    from helpers.measure.serving_bench import COMMAND
 
     with pytest.raises(SystemExit):
         main(["bench-serve", "--help"])
@@ -91,8 +92,8 @@ def test_scale_defaults_are_written_once_and_shown_by_help(capsys, monkeypatch):
     assert "(default by scale: smoke 16, cpu 64, gpu 256)" in out
     monkeypatch.setenv("COURSE_SMOKE", "1")
     args = type("Args", (), dict(device="cpu", model=None, requests=None, max_batch=3, block_size=None))()
-    fill_scale_defaults(args, "bench-serve")
-    smoke = SCALE_DEFAULTS["bench-serve"]["smoke"]
+    fill_scale_defaults(args, COMMAND)
+    smoke = COMMAND.scale_defaults["smoke"]
     assert (args.model, args.requests, args.max_batch, args.block_size) == (smoke["model"], smoke["requests"], 3,
                                                                             smoke["block_size"])
 

@@ -7,6 +7,7 @@ FlashAttention was or was not chosen).
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 from collections.abc import Callable
@@ -17,7 +18,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
 from ..model.attention import IMPLEMENTATIONS, CausalSelfAttention, unavailable_reason
+from ..system.args import positive_float
 from ..system.device import DTYPES, parse_dtype
 from .memory import peak_cuda_bytes, peak_rss_above_baseline, run_in_fresh_process
 from .timing import Spread, interleaved
@@ -226,3 +229,43 @@ def flash_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **sdpa_kwar
         except RuntimeError as err:
             messages = [re.sub(r"\s*\(Triggered internally at .*?\)", "", str(w.message)).strip() for w in caught]
             return " ".join(m for m in messages if m) or str(err)
+
+
+def _arguments(parser) -> None:
+    add_scaled(parser, COMMAND, "batch", "sequences")
+    add_scaled(parser, COMMAND, "seq", "tokens per sequence")
+    add_scaled(parser, COMMAND, "d_model", "model width")
+    add_scaled(parser, COMMAND, "heads", "attention heads")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    add_device(parser)
+    parser.add_argument("--mode", choices=MODES, default="fwd",
+                        help="fwd, fwdbwd (forward + backward), compiled (forward of torch.compile(module))")
+    parser.add_argument("--only", nargs="+", choices=list(IMPLEMENTATIONS), metavar="NAME",
+                        help=f"implementations to run (default: all of {', '.join(IMPLEMENTATIONS)})")
+    parser.add_argument("--min-run-time", type=positive_float, default=0.5,
+                        help="seconds of timed runs per implementation")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    add_json(parser, "a table", "a JSON list")
+
+
+def _run(args) -> int:
+    device = fill_scale_defaults(args, COMMAND)
+    if args.d_model % args.heads:
+        args.command_parser.error(f"--heads {args.heads} does not divide --d-model {args.d_model}; pick heads in "
+                                  f"{[h for h in range(1, min(args.d_model, 64) + 1) if args.d_model % h == 0]}")
+    results = bench_attention(batch=args.batch, seq=args.seq, d_model=args.d_model, heads=args.heads,
+                              dtype=args.dtype, device=device, mode=args.mode, names=args.only,
+                              min_run_time=args.min_run_time, memory=not args.no_memory)
+    if args.json:
+        print(json.dumps(results_as_dicts(results), indent=2))
+    else:
+        r = results[0]
+        print(f"{r.mode}: batch {r.batch}, seq {r.seq}, d_model {r.d_model}, {r.heads} heads, {r.dtype} on {r.device}")
+        print(format_results(results))
+    return 1 if any(r.status == "error" for r in results) else 0
+
+
+COMMAND = Command("bench-attention", "time every attention implementation on the same weights", _arguments, _run,
+                  scale_defaults={"smoke": dict(batch=2, seq=128, d_model=128, heads=4),
+                                  "cpu": dict(batch=2, seq=1024, d_model=768, heads=12),
+                                  "gpu": dict(batch=8, seq=1024, d_model=768, heads=12)})

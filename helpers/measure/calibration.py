@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..cli import Command, add_device, add_json
 from ..system.device import detect_capabilities, dtype_name, parse_dtype
 from ..system.files import atomic_path, cache_dir
 from .timing import Spread, interleaved
@@ -196,3 +197,29 @@ def load_calibration(device: torch.device | str | None = None, dtypes: tuple[str
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(calibration.to_json(), indent=1) + "\n")
     return calibration
+
+
+def _arguments(parser) -> None:
+    add_device(parser, "the course's device")
+    parser.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16", "float16"],
+                        help="dtypes whose peak to measure (default: float32 and the autocast dtype)")
+    parser.add_argument("--refresh", action="store_true", help="measure again even if cached")
+    add_json(parser, shape="one JSON object (with every run)")
+
+
+def _run(args) -> int:
+    from ..system.device import autocast_dtype, default_device_type
+
+    device = args.device or default_device_type()
+    dtypes = tuple(args.dtype or dict.fromkeys(["float32", dtype_name(autocast_dtype(detect_capabilities(device)))]))
+    calibration = load_calibration(device, dtypes, refresh=args.refresh)
+    if args.json:
+        print(json.dumps({"key": calibration.key, **calibration.to_json()}, indent=2))
+    else:
+        print(calibration.report())
+        print(f"cached in {cache_dir()}/calibration-{calibration.key}.json")
+    return 0
+
+
+COMMAND = Command("calibrate", "peak matmul FLOP/s and memory bandwidths of this machine (measured once, then cached)",
+                  _arguments, _run)

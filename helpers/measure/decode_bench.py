@@ -13,16 +13,21 @@ the cache is truncated back, so every sample times the same work.
 from __future__ import annotations
 
 import copy
+import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
 from ..inference.kv_cache import KVCache, kv_cache_bytes_per_token
 from ..inference.kv_quant import kv_bytes_per_token_int8
 from ..inference.quantization import quantize_linears
+from ..model.config import PRESETS, GPTConfig
 from ..model.gpt import GPT
+from ..system.args import positive_int
 from .calibration import Calibration
 from .timing import Spread, interleaved
 
@@ -146,3 +151,38 @@ def results_as_dicts(results: list[DecodeResult]) -> list[dict]:
              "step_s_iqr": list(r.step.quartiles), "tokens_per_s": r.tokens_per_s,
              "bytes_per_step": r.bytes_per_step, "achieved_bandwidth": r.achieved_bandwidth,
              "bandwidth": r.bandwidth, "level": r.level, "mbu": r.mbu} for r in results]
+
+
+def _arguments(parser) -> None:
+    add_scaled(parser, COMMAND, "model", "preset, random weights", choices=list(PRESETS), type=str)
+    add_scaled(parser, COMMAND, "batch", "batch sizes", nargs="+")
+    add_scaled(parser, COMMAND, "positions", "tokens of context when the step runs")
+    parser.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS), metavar="SETUP",
+                        help=f"decoding setups (default: all of {', '.join(repr(s) for s in SETUPS)})")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved timing rounds (default: 5)")
+    add_device(parser)
+    add_json(parser, "a table", "a JSON list")
+
+
+def _run(args) -> int:
+    from .calibration import load_calibration
+
+    device = fill_scale_defaults(args, COMMAND)
+    config = GPTConfig.from_preset(args.model, dropout=0.0)
+    if args.positions + 1 > config.context_length:
+        args.command_parser.error(f"--positions {args.positions} leaves no room for a new token in {args.model}'s "
+                                  f"context of {config.context_length}; pass {config.context_length - 1} or less")
+    torch.manual_seed(0)
+    model = GPT(config).to(device).eval()
+    print("calibrating memory bandwidth (cached after the first run) ...", file=sys.stderr, flush=True)
+    calibration = load_calibration(device)
+    results = bench_decode(model, args.batch, args.positions, calibration, tuple(args.setups), rounds=args.rounds)
+    print(json.dumps(results_as_dicts(results), indent=2) if args.json else format_results(results))
+    return 0
+
+
+COMMAND = Command("bench-decode", "one decode step per setup and batch: tokens/s and the share of the calibrated "
+                  "memory bandwidth it uses (MBU)", _arguments, _run,
+                  scale_defaults={"smoke": dict(model="gpt-smoke", batch=[1, 4], positions=32),
+                                  "cpu": dict(model="gpt-cpu", batch=[1, 8, 32], positions=128),
+                                  "gpu": dict(model="gpt2-small", batch=[1, 16, 64], positions=512)})

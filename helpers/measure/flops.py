@@ -20,6 +20,7 @@ What the hardware makes of these FLOPs is `helpers.measure.mfu` (peaks, MFU, thr
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import warnings
 from collections import Counter
@@ -29,8 +30,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..model.config import GPTConfig
+from ..cli import Command, add_json
+from ..model.config import PRESETS, GPTConfig
 from ..model.gpt import GPT, swiglu_hidden_dim
+from ..system.args import positive_int
 
 # ---- analytic counts ----
 
@@ -366,3 +369,24 @@ def format_flops_report(report: dict) -> str:
     lines.append(f"  causal attention only    {report['analytic_causal']:>12.4e}  (total with the masked half skipped)")
     lines.append(f"per token {report['per_token']:.4e}; training step (3x forward) {report['training_step']:.4e}")
     return "\n".join(lines)
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("--model", choices=list(PRESETS), default="gpt2-small", help="preset (default: gpt2-small)")
+    parser.add_argument("--batch", type=positive_int, default=2, help="sequences per batch (default: 2)")
+    parser.add_argument("--ctx", type=positive_int, help="tokens per sequence (default: the preset's context length)")
+    add_json(parser)
+
+
+def _run(args) -> int:
+    config = PRESETS[args.model]
+    ctx = config.context_length if args.ctx is None else args.ctx
+    if ctx > config.context_length:
+        args.command_parser.error(f"--ctx {ctx} is longer than {args.model}'s context length; pass --ctx "
+                                  f"{config.context_length} or less")
+    report = {"model": args.model, **flops_report(config, args.batch, ctx)}
+    print(json.dumps(report, indent=2) if args.json else format_flops_report(report))
+    return 0
+
+
+COMMAND = Command("flops", "forward FLOPs of a preset by hand, by fvcore and by FlopCounterMode", _arguments, _run)

@@ -7,8 +7,10 @@ pass has touched every weight. `python -m helpers bench-load --help` runs it fro
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -18,9 +20,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..model.config import GPTConfig
+from ..cli import Command, add_device, add_json
+from ..model.config import PRESETS, GPTConfig
 from ..model.gpt import GPT
 from ..model.loading import CHECKPOINT_FILES, STRATEGIES, save_tensor_files
+from ..system.args import positive_int
 from ..system.device import synchronize
 from ..training.checkpoint import save_checkpoint
 from .memory import (
@@ -260,3 +264,27 @@ def format_results(results: list[LoadBenchResult]) -> str:
                      f"{r.first_forward_seconds:9.3f} {r.seconds + r.first_forward_seconds:10.3f}  "
                      f"{'yes' if r.matches_reference else 'NO'}")
     return "\n".join(lines)
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("--model", choices=list(PRESETS), default="gpt2-small",
+                        help="preset whose size the random checkpoint has (default: gpt2-small)")
+    parser.add_argument("--only", nargs="+", choices=list(STRATEGIES), metavar="NAME",
+                        help=f"strategies to run (default: all of {', '.join(STRATEGIES)})")
+    add_device(parser)
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="fresh-process runs per strategy, interleaved; median and IQR (default: 3)")
+    parser.add_argument("--cold", action="store_true", help="drop the checkpoint from the page cache before each run")
+    add_json(parser, "a table", "a JSON list")
+
+
+def _run(args) -> int:
+    from ..system.device import default_device_type
+
+    results = bench_load(args.model, args.only, device=args.device or default_device_type(), repeats=args.repeats,
+                         cold=args.cold, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(results_as_dicts(results), indent=2) if args.json else format_results(results))
+    return 0
+
+
+COMMAND = Command("bench-load", "peak memory and time of each weight-loading strategy", _arguments, _run)

@@ -7,13 +7,17 @@ utilisation, and a float64 check that both engines produce exactly the tokens of
 from __future__ import annotations
 
 import copy
+import json
 import math
+import sys
 
 import torch
 
+from ..cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
 from ..inference.serving import Request, ServingRun, contiguous_layout, serve
-from ..model.config import GPTConfig
+from ..model.config import PRESETS, GPTConfig
 from ..model.gpt import GPT
+from ..system.args import positive_int
 from ..system.device import dtype_name
 from ..text.data import load_token_ids
 from .timing import Spread, verdict
@@ -296,3 +300,68 @@ def format_prefix_report(report: dict) -> str:
     lines.append(f"token-identical to GPT.generate in float64 with prefix caching "
                  f"({report['token_identical_requests']} requests): {report['token_identical']}")
     return "\n".join(lines)
+
+
+def bench_shared_prefix_preset(model_name: str, n_requests: int, max_batch: int, block_size: int,
+                               prefix_tokens: int | None = None, seed: int = 0, device: str = "cpu",
+                               num_blocks: int | None = None, repeats: int = 1, progress=None) -> dict:
+    """`bench_shared_prefix` for a preset with random weights (seeded) and `n_requests` requests that share
+    `prefix_tokens` tokens (default: half the context). Returns the report."""
+    config = GPTConfig.from_preset(model_name, dropout=0.0)
+    prefix = config.context_length // 2 if prefix_tokens is None else prefix_tokens
+    workload = shared_prefix_workload(n_requests, config.context_length, prefix, seed)
+    torch.manual_seed(seed)
+    model = GPT(config).to(device).eval()
+    report, _ = bench_shared_prefix(model, workload, max_batch, block_size, num_blocks=num_blocks, repeats=repeats,
+                                    progress=progress)
+    return report
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("--workload", choices=["mixed", "shared-prefix"], default="mixed",
+                        help="mixed: continuous vs static batching on mixed lengths; shared-prefix: requests that "
+                        "share a system prompt, without and with prefix caching (default: mixed)")
+    parser.add_argument("--prefix-tokens", type=positive_int,
+                        help="tokens of the shared prefix with --workload shared-prefix (default: half the context)")
+    add_scaled(parser, COMMAND, "model", "preset, random weights", choices=list(PRESETS), type=str)
+    add_scaled(parser, COMMAND, "requests", "requests in the mixed workload")
+    add_scaled(parser, COMMAND, "max_batch", "sequences per batch")
+    add_scaled(parser, COMMAND, "block_size", "tokens per KV block of the paged cache")
+    parser.add_argument("--num-blocks", type=positive_int,
+                        help="blocks of the paged cache (default: the contiguous cache's memory, max-batch rows)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="runs per engine, interleaved; the median and IQR of each are reported (default: 3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload (default: 0)")
+    add_device(parser)
+    add_json(parser, "a table")
+
+
+def _run(args) -> int:
+    if args.workload == "mixed" and args.prefix_tokens is not None:
+        args.command_parser.error("--prefix-tokens is for --workload shared-prefix")
+    device = fill_scale_defaults(args, COMMAND)
+
+    def progress(name: str) -> None:
+        print(f"serving with {name} ...", file=sys.stderr, flush=True)
+
+    try:
+        if args.workload == "mixed":
+            report, _ = bench_serve(args.model, args.requests, args.max_batch, args.block_size, seed=args.seed,
+                                    device=device, num_blocks=args.num_blocks, repeats=args.repeats,
+                                    progress=progress)
+        else:
+            report = bench_shared_prefix_preset(args.model, args.requests, args.max_batch, args.block_size,
+                                                args.prefix_tokens, args.seed, device, args.num_blocks, args.repeats,
+                                                progress)
+    except ValueError as err:  # e.g. --num-blocks too small for a request: say so, no traceback
+        args.command_parser.error(str(err))
+    text = format_report if args.workload == "mixed" else format_prefix_report
+    print(json.dumps(report, indent=2) if args.json else text(report))
+    return 0
+
+
+COMMAND = Command("bench-serve", "continuous vs static batching (throughput, latency, KV memory); prefix caching on "
+                  "a shared system prompt", _arguments, _run,
+                  scale_defaults={"smoke": dict(model="gpt-smoke", requests=16, max_batch=4, block_size=8),
+                                  "cpu": dict(model="gpt-cpu", requests=64, max_batch=16, block_size=8),
+                                  "gpu": dict(model="gpt2-small", requests=256, max_batch=64, block_size=16)})

@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import functools
 import gc
+import json
 import math
 import statistics
 from collections.abc import Callable, Iterator
@@ -36,10 +37,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
 from ..model.config import PRESETS, GPTConfig
 from ..model.gpt import GPT
 from ..model.lm_head import chunk_tokens_for
 from ..model.loading import tie_weights
+from ..system.args import positive_int
 from ..system.device import (
     DeviceCapabilities,
     autocast_dtype,
@@ -567,3 +570,40 @@ def plot_ladder(report: dict):
     fig.suptitle(report["device_name"])
     fig.tight_layout()
     return fig
+
+
+def _arguments(parser) -> None:
+    add_scaled(parser, COMMAND, "model", "preset, random weights", choices=list(PRESETS), type=str)
+    add_scaled(parser, COMMAND, "batch", "sequences per micro-batch")
+    add_scaled(parser, COMMAND, "ctx", "tokens per sequence, at most the preset's context")
+    add_scaled(parser, COMMAND, "steps", "timed optimizer steps per rung; median and IQR")
+    parser.add_argument("--warmup", type=positive_int, default=2,
+                        help="untimed steps first, compilation included (default: 2)")
+    parser.add_argument("--accumulation", type=positive_int, default=4,
+                        help="micro-batches per optimizer step on the accumulation rung (default: 4)")
+    parser.add_argument("--until", choices=LADDER, help="stop after this rung (e.g. accumulation: no torch.compile)")
+    add_device(parser)
+    add_json(parser, "a table")
+
+
+def _run(args) -> int:
+    ctx_given = args.ctx is not None
+    device = fill_scale_defaults(args, COMMAND)
+    context = PRESETS[args.model].context_length
+    ctx = args.ctx if ctx_given else min(args.ctx, context)
+    if ctx > context:
+        args.command_parser.error(f"--ctx {ctx} is longer than {args.model}'s context length; pass --ctx "
+                                  f"{context} or less")
+    try:
+        report = bench_train(args.model, args.batch, ctx, args.steps, args.warmup, args.accumulation, device,
+                             args.until, progress=True)
+    except ValueError as err:  # sizes that cannot run: say which flag to change, no traceback
+        args.command_parser.error(str(err))
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+COMMAND = Command("bench-train", "the training-speed ladder (tokens/s, MFU) and transformers' GPT-2", _arguments, _run,
+                  scale_defaults={"smoke": dict(model="gpt-smoke", batch=2, ctx=64, steps=2),
+                                  "cpu": dict(model="gpt-cpu", batch=4, ctx=128, steps=5),
+                                  "gpu": dict(model="gpt2-small", batch=8, ctx=1024, steps=10)})

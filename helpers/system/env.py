@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import platform
 import warnings
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..cli import Command, add_json
 from .device import DeviceCapabilities, autocast_dtype, detect_capabilities, dtype_name, needs_grad_scaler
 from .scale import current_scale
 
@@ -88,3 +90,16 @@ def capability_checks(report: dict) -> list[tuple[bool, str, str]]:
         (report["triton"] is not None, "triton (optional)",
          report["triton"] or "not installed: Triton kernels are skipped"),
     ]
+
+
+def _arguments(parser) -> None:
+    add_json(parser)
+
+
+def _run(args) -> int:
+    report = environment_report()
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+COMMAND = Command("env", "print the environment report", _arguments, _run)
