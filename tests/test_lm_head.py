@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from helpers import GPT, GPTConfig
 from helpers.measure.memory_plan import LiveTensorBytes
 from helpers.model.lm_head import IGNORE_INDEX, chunk_tokens_for, chunked_cross_entropy
-from helpers.training.step import TrainingStep, token_loss_sum
+from helpers.training.step import ChunkedLoss, TrainingStep, head_loss, token_loss_sum
 
 TINY = GPTConfig(vocab_size=97, context_length=32, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
 
@@ -91,7 +91,7 @@ def test_training_step_with_loss_chunk_makes_the_plain_update():
     for chunk in (None, 9):
         torch.manual_seed(1)
         model = GPT(TINY).double()
-        TrainingStep(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_chunk=chunk)(batches)
+        TrainingStep(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss=head_loss(chunk))(batches)
         models.append(model)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=name)
@@ -140,6 +140,6 @@ def test_bad_arguments_are_refused():
         chunked_cross_entropy(h, w, t, 2, vocab_size=11)
     with pytest.raises(ValueError, match="budget"):
         chunk_tokens_for(0)
-    model = GPT(TINY)
-    with pytest.raises(ValueError, match="loss_chunk needs the model's own chunked loss"):
-        TrainingStep(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_chunk=4, forward=lambda m, x: m(x))
+    for chunk in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="the loss chunk must be a positive number of tokens"):
+            ChunkedLoss(chunk)

@@ -7,7 +7,7 @@ from torch import nn
 
 from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
-from helpers.training.step import IGNORE_INDEX, TrainingStep, lm_loss, token_loss_sum
+from helpers.training.step import IGNORE_INDEX, TrainingStep, head_loss, lm_loss, token_loss_sum
 
 TINY = GPTConfig(vocab_size=37, context_length=12, d_model=16, n_heads=2, n_layers=1, dropout=0.0)
 
@@ -107,5 +107,6 @@ def test_the_compiled_loss_is_one_graph(attn, n_kv_heads, loss_chunk):
         pytest.skip("before torch 2.13 the chunked head runs eagerly under torch.compile, by design a graph break")
     model = GPT(GPTConfig(vocab_size=37, context_length=12, d_model=16, n_heads=2, n_layers=2, dropout=0.0,
                           n_kv_heads=n_kv_heads), attn_implementation=attn)
-    step = TrainingStep(model, torch.optim.AdamW(model.parameters()), autocast=torch.bfloat16, loss_chunk=loss_chunk)
+    step = TrainingStep(model, torch.optim.AdamW(model.parameters()), autocast=torch.bfloat16,
+                        loss=head_loss(loss_chunk))
     torch.compile(step.loss_sum, fullgraph=True, backend="eager")(*batch())  # fullgraph: a graph break raises

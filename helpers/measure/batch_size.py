@@ -24,8 +24,8 @@ from ..model.checkpointing import check_checkpointing
 from ..model.config import GPTConfig
 from ..model.gpt import GPT
 from ..system.device import detect_capabilities, dtype_name, parse_dtype
-from ..training.step import TrainingStep
-from ..training.trainer import resolve_precision
+from ..training.precision import resolve_precision
+from ..training.step import TrainingStep, head_loss
 from .memory import peak_cuda_bytes, peak_rss_above_baseline, run_in_fresh_process
 
 
@@ -80,7 +80,7 @@ def make_training_step(model: GPT, seq: int, dtype: torch.dtype | None = None,
     that many tokens at a time (`GPT.loss_sum`). The model's activation checkpointing stays as it is set."""
     device = next(model.parameters()).device
     step = TrainingStep(model, optimizer or torch.optim.AdamW(model.parameters(), lr=1e-4), autocast=dtype,
-                        loss_chunk=loss_chunk)
+                        loss=head_loss(loss_chunk))
     vocab = model.config.vocab_size
 
     def run(batch: int) -> None:

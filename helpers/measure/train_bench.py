@@ -51,7 +51,7 @@ from ..system.device import (
     needs_grad_scaler,
     parse_dtype,
 )
-from ..training.step import TrainingStep
+from ..training.step import ChunkedLoss, FullLoss, TrainingStep
 from .flops import training_step_flops
 from .mfu import PeakFlops, mfu, peak_flops
 from .peer import PEER_ATTENTION, gpt_logits, peer_logits, transformers_peer
@@ -226,9 +226,10 @@ def ladder_step(model: nn.Module, settings: StepSettings, vocab_size: int,
     trains as the unpadded one). `forward` maps (model, token ids) to logits: `gpt_logits` for ours, `peer_logits` for
     transformers'."""
     optimizer = torch.optim.AdamW(model.train().parameters(), lr=lr, fused=True if settings.fused_adamw else None)
-    return TrainingStep(model, optimizer, autocast=parse_dtype(settings.autocast) if settings.autocast else None,
-                        compile=settings.compile, vocab_size=vocab_size, loss_chunk=settings.loss_chunk,
-                        forward=None if settings.loss_chunk is not None else forward)
+    chunk = settings.loss_chunk
+    loss = FullLoss(vocab_size, forward) if chunk is None else ChunkedLoss(chunk, vocab_size)
+    return TrainingStep(model, optimizer, loss=loss, compile=settings.compile,
+                        autocast=parse_dtype(settings.autocast) if settings.autocast else None)
 
 
 def restart(step: TrainingStep, state: dict[str, torch.Tensor], settings: StepSettings) -> None:

@@ -82,40 +82,68 @@ class StepResult:
     stepped: bool = True  # False when the GradScaler skipped the update (fp16 gradients held inf or NaN)
 
 
+@dataclass(frozen=True)
+class FullLoss:
+    """The loss over logits computed whole: the model's forward pass, then `token_loss_sum`. forward: (model, token
+    ids) -> logits, for a model that returns something else (transformers' GPT-2). vocab_size: only the first
+    logits are classes (a padded LM head)."""
+
+    vocab_size: int | None = None
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = model(x) if self.forward is None else self.forward(model, x)
+        return token_loss_sum(logits, y, self.vocab_size)
+
+
+@dataclass(frozen=True)
+class ChunkedLoss:
+    """The LM head and the loss `chunk` tokens at a time (`GPT.loss_sum`), so the logits are never materialised
+    whole; the model's own method, so it takes no custom forward. vocab_size: as FullLoss's."""
+
+    chunk: int
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"the loss chunk must be a positive number of tokens, got {self.chunk!r}")
+
+    def __call__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return model.loss_sum(x, y, self.chunk, self.vocab_size)
+
+
+FULL = FullLoss()  # the default: the model's logits whole, every one a class
+
+
+def head_loss(chunk: int | None = None, vocab_size: int | None = None) -> FullLoss | ChunkedLoss:
+    """ChunkedLoss(chunk) when a chunk is given, else FullLoss: how a step's loss is named by a plain setting."""
+    return FullLoss(vocab_size) if chunk is None else ChunkedLoss(chunk, vocab_size)
+
+
 class TrainingStep:
     """One optimizer step of `model`: its micro-batches forward and backward (`accumulate_gradients`), gradient
     clipping, then `optimizer` (through a GradScaler when `autocast` is fp16). A failed step leaves no gradients.
 
-    autocast: the forward's autocast dtype, None for plain fp32. grad_clip: max global gradient norm (None: no
-    clipping); measure_grad_norm: compute the norm even without clipping. compile: `torch.compile` the forward and
-    loss. forward: (model, token ids) -> logits, for a model that returns something else (transformers' GPT-2).
-    vocab_size: only the first logits are classes (a padded LM head). loss_chunk: apply the LM head and the loss
-    this many tokens at a time (`GPT.loss_sum`), so the logits are never materialised whole.
+    loss: how a micro-batch's summed loss is computed (FullLoss or ChunkedLoss). autocast: the forward's autocast
+    dtype, None for plain fp32. grad_clip: max global gradient norm (None: no clipping); measure_grad_norm: compute
+    the norm even without clipping. compile: `torch.compile` the forward and loss.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, autocast: torch.dtype | None = None,
-                 grad_clip: float | None = None, measure_grad_norm: bool = False, compile: bool = False,
-                 forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
-                 vocab_size: int | None = None, loss_chunk: int | None = None) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: FullLoss | ChunkedLoss = FULL,
+                 autocast: torch.dtype | None = None, grad_clip: float | None = None, measure_grad_norm: bool = False,
+                 compile: bool = False) -> None:
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip must be positive or None, got {grad_clip}")
-        self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
+        self.model, self.optimizer, self.grad_clip, self.loss = model, optimizer, grad_clip, loss
         self.measure_grad_norm = measure_grad_norm or grad_clip is not None
         self.device_type = next(model.parameters()).device.type
-        self.autocast, self.vocab_size = autocast, vocab_size
-        if loss_chunk is not None and forward is not None:
-            raise ValueError("loss_chunk needs the model's own chunked loss (GPT.loss_sum); a custom forward "
-                             "returns logits, so pass one or the other")
-        self.forward, self.loss_chunk = forward or (lambda m, x: m(x)), loss_chunk
+        self.autocast = autocast
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=needs_grad_scaler(autocast))
         self.loss_sum = torch.compile(self._loss_sum) if compile else self._loss_sum
 
     def _loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with autocast_context(self.device_type, self.autocast):
-            if self.loss_chunk is not None:
-                return self.model.loss_sum(x, y, self.loss_chunk, self.vocab_size)
-            logits = self.forward(self.model, x)
-        return token_loss_sum(logits, y, self.vocab_size)
+        with autocast_context(self.device_type, self.autocast):  # token_loss_sum computes in fp32 at least
+            return self.loss(self.model, x, y)
 
     def __call__(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         scaler = self.scaler if self.scaler.is_enabled() else None

@@ -8,7 +8,6 @@ schedule's step, every random-number generator and the data position.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import random
 import time
@@ -20,23 +19,18 @@ from torch import nn
 
 from ..model.decoding import Sampling
 from ..system.device import (
-    DeviceCapabilities,
-    autocast_dtype,
-    check_dtype,
     default_device_type,
     detect_capabilities,
-    dtype_name,
-    needs_grad_scaler,
     synchronize,
 )
 from ..system.files import cache_dir
 from ..text.data import NextTokenDataset
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .lr_schedule import check_schedule, learning_rate
-from .step import IGNORE_INDEX, TrainingStep, autocast_context, token_loss_sum
+from .precision import check_precision_name, resolve_precision
+from .step import IGNORE_INDEX, TrainingStep, token_loss_sum
 
 SAMPLE_SAMPLING = Sampling(temperature=0.8, top_k=40)  # the samples shown during training
-PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -73,40 +67,9 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be 0 or more, got {getattr(self, name)}")
         check_schedule(self.schedule, self.lr, self.steps, self.warmup_steps, self.min_lr)
-        if self.precision != "auto" and self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; valid: auto, {', '.join(PRECISIONS)}")
+        check_precision_name(self.precision)
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"grad_clip must be positive or None, got {self.grad_clip}")
-
-
-@dataclass(frozen=True)
-class Precision:
-    """The autocast dtype of a run (None: plain fp32) and whether it needs loss scaling."""
-
-    device_type: str
-    dtype: torch.dtype | None
-
-    @property
-    def name(self) -> str:
-        return dtype_name(self.dtype)
-
-    @property
-    def needs_scaler(self) -> bool:
-        return needs_grad_scaler(self.dtype)
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return autocast_context(self.device_type, self.dtype)
-
-
-def resolve_precision(precision: str, caps: DeviceCapabilities) -> Precision:
-    """"auto": bf16 where native, fp16 on tensor-core GPUs without bf16, fp32 elsewhere (helpers.system.device);
-    an explicit dtype the device cannot run natively is refused with what to use instead."""
-    if precision == "auto":
-        return Precision(caps.device_type, autocast_dtype(caps))
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; valid: auto, {', '.join(PRECISIONS)}")
-    dtype = PRECISIONS[precision]
-    return Precision(caps.device_type, dtype if dtype is None else check_dtype(caps, dtype))
 
 
 class ShuffledBatches:
