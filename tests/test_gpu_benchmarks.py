@@ -200,7 +200,7 @@ def test_a_failed_rungs_model_is_freed_before_the_next_rung(monkeypatch):
     warm_up = train_bench.warm_up
 
     def out_of_memory_once(step, n):
-        built.append(weakref.ref(step.args[0].model))
+        built.append(weakref.ref(step.step.model))
         if len(built) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
         return warm_up(step, n)

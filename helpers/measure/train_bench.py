@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import gc
 import json
 import math
@@ -89,7 +88,10 @@ class Rung:
     note: str  # what the rung changes, or why it is skipped
 
 
-def _tf32(caps: DeviceCapabilities, s: StepSettings) -> tuple[StepSettings | None, str]:
+Applied = tuple[StepSettings | None, str]  # a rung's settings (None: it does not apply here) and its note
+
+
+def _tf32(caps: DeviceCapabilities, s: StepSettings, vocab_size: int, accumulation: int) -> Applied:
     if caps.device_type != "cuda":
         return None, f"TF32 is a tensor-core format of NVIDIA GPUs; fp32 matmuls on {caps.device_type} are unchanged"
     if caps.compute_capability is not None and caps.compute_capability < (8, 0):
@@ -98,11 +100,11 @@ def _tf32(caps: DeviceCapabilities, s: StepSettings) -> tuple[StepSettings | Non
     return dataclasses.replace(s, tf32=True), "fp32 matmuls on TF32 tensor cores (10-bit mantissa inputs)"
 
 
-def _fused_adamw(caps: DeviceCapabilities, s: StepSettings) -> tuple[StepSettings | None, str]:
+def _fused_adamw(caps: DeviceCapabilities, s: StepSettings, vocab_size: int, accumulation: int) -> Applied:
     return dataclasses.replace(s, fused_adamw=True), "AdamW(fused=True): one kernel updates every parameter"
 
 
-def _autocast(caps: DeviceCapabilities, s: StepSettings) -> tuple[StepSettings | None, str]:
+def _autocast(caps: DeviceCapabilities, s: StepSettings, vocab_size: int, accumulation: int) -> Applied:
     dtype = autocast_dtype(caps)
     if dtype is None:
         return None, f"{caps.name} has neither native bf16 nor fp16 tensor cores: fp32 stays the fastest"
@@ -113,12 +115,12 @@ def _autocast(caps: DeviceCapabilities, s: StepSettings) -> tuple[StepSettings |
     return dataclasses.replace(s, autocast=name), note
 
 
-def _sdpa(caps: DeviceCapabilities, s: StepSettings) -> tuple[StepSettings | None, str]:
+def _sdpa(caps: DeviceCapabilities, s: StepSettings, vocab_size: int, accumulation: int) -> Applied:
     return (dataclasses.replace(s, attn_implementation="sdpa"),
             "F.scaled_dot_product_attention(is_causal=True): a fused (FlashAttention) kernel, no T x T scores")
 
 
-def _pad_vocab(caps: DeviceCapabilities, s: StepSettings, vocab_size: int) -> tuple[StepSettings | None, str]:
+def _pad_vocab(caps: DeviceCapabilities, s: StepSettings, vocab_size: int, accumulation: int) -> Applied:
     if vocab_size % VOCAB_MULTIPLE == 0:
         return None, f"the vocabulary ({vocab_size}) is already a multiple of {VOCAB_MULTIPLE}"
     padded = math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
@@ -126,18 +128,18 @@ def _pad_vocab(caps: DeviceCapabilities, s: StepSettings, vocab_size: int) -> tu
             f"LM head and embedding padded {vocab_size} -> {padded} rows; the loss ignores the padding")
 
 
-def _accumulate(caps: DeviceCapabilities, s: StepSettings, accumulation: int) -> tuple[StepSettings | None, str]:
+def _accumulate(caps: DeviceCapabilities, s: StepSettings, vocab_size: int, accumulation: int) -> Applied:
     if accumulation == 1:
         return None, "accumulation=1: no larger batch asked for"
     return (dataclasses.replace(s, accumulation=accumulation),
             f"{accumulation} micro-batches per optimizer step: a {accumulation}x larger batch, one AdamW step")
 
 
-def _compile(caps: DeviceCapabilities, s: StepSettings) -> tuple[StepSettings | None, str]:
+def _compile(caps: DeviceCapabilities, s: StepSettings, vocab_size: int, accumulation: int) -> Applied:
     return dataclasses.replace(s, compile=True), "torch.compile(model + loss): fused elementwise kernels"
 
 
-def _chunked_head(caps: DeviceCapabilities, s: StepSettings, vocab_size: int) -> tuple[StepSettings | None, str]:
+def _chunked_head(caps: DeviceCapabilities, s: StepSettings, vocab_size: int, accumulation: int) -> Applied:
     tokens = s.batch * s.ctx
     if tokens == 1:
         return None, "a micro-batch of one token: nothing to split"
@@ -147,11 +149,36 @@ def _chunked_head(caps: DeviceCapabilities, s: StepSettings, vocab_size: int) ->
             f"{s.batch} x {s.ctx} x vocab logits are never materialised (transformers' GPT-2 has no such step)")
 
 
-LADDER = ("baseline", "tf32", "fused_adamw", "autocast", "sdpa", "pad_vocab", "accumulation", "compile",
-          "chunked_head")
-LABELS = {"baseline": "fp32 baseline", "tf32": "TF32 matmuls", "fused_adamw": "fused AdamW",
-          "autocast": "bf16 autocast", "sdpa": "SDPA (flash)", "pad_vocab": "vocab padded to 64",
-          "accumulation": "batch x{n} by accumulation", "compile": "torch.compile", "chunked_head": "chunked LM head"}
+def _baseline(caps: DeviceCapabilities, s: StepSettings, vocab_size: int, accumulation: int) -> Applied:
+    return s, "fp32, textbook attention (softmax(QK^T)V materialised), PyTorch's default AdamW"
+
+
+@dataclass(frozen=True)
+class RungRule:
+    """One rung of the ladder: its name, its label ({n}: the accumulation; {dtype}: the autocast dtype), and the
+    rule that applies its change to the settings below it (caps, settings, vocab_size, accumulation) -> Applied."""
+
+    name: str
+    label: str
+    apply: Callable[[DeviceCapabilities, StepSettings, int, int], Applied]
+
+    def label_for(self, settings: StepSettings | None, accumulation: int) -> str:
+        dtype = settings.autocast if settings is not None and settings.autocast else "bfloat16"
+        return self.label.format(n=accumulation, dtype=dtype.replace("bfloat", "bf").replace("float", "fp"))
+
+
+RUNGS = (
+    RungRule("baseline", "fp32 baseline", _baseline),
+    RungRule("tf32", "TF32 matmuls", _tf32),
+    RungRule("fused_adamw", "fused AdamW", _fused_adamw),
+    RungRule("autocast", "{dtype} autocast", _autocast),
+    RungRule("sdpa", "SDPA (flash)", _sdpa),
+    RungRule("pad_vocab", f"vocab padded to {VOCAB_MULTIPLE}", _pad_vocab),
+    RungRule("accumulation", "batch x{n} by accumulation", _accumulate),
+    RungRule("compile", "torch.compile", _compile),
+    RungRule("chunked_head", "chunked LM head", _chunked_head),
+)
+LADDER = tuple(rule.name for rule in RUNGS)
 
 
 def plan_ladder(caps: DeviceCapabilities, batch: int, ctx: int, accumulation: int = 4,
@@ -162,19 +189,10 @@ def plan_ladder(caps: DeviceCapabilities, batch: int, ctx: int, accumulation: in
     """
     if until is not None and until not in LADDER:
         raise ValueError(f"unknown rung {until!r}; rungs, in order: {', '.join(LADDER)}")
-    current = StepSettings(batch=batch, ctx=ctx)
-    rules = {"tf32": _tf32, "fused_adamw": _fused_adamw, "autocast": _autocast, "sdpa": _sdpa,
-             "pad_vocab": lambda c, s: _pad_vocab(c, s, vocab_size),
-             "accumulation": lambda c, s: _accumulate(c, s, accumulation), "compile": _compile,
-             "chunked_head": lambda c, s: _chunked_head(c, s, vocab_size)}
-    rungs = [Rung("baseline", LABELS["baseline"], current,
-                  "fp32, textbook attention (softmax(QK^T)V materialised), PyTorch's default AdamW")]
-    for name in LADDER[1 : None if until is None else LADDER.index(until) + 1]:
-        settings, note = rules[name](caps, current)
-        label = LABELS[name].format(n=accumulation)
-        if name == "autocast" and settings is not None:
-            label = f"{str(settings.autocast).replace('bfloat', 'bf').replace('float', 'fp')} autocast"
-        rungs.append(Rung(name, label, settings, note))
+    current, rungs = StepSettings(batch=batch, ctx=ctx), []
+    for rule in RUNGS[: None if until is None else LADDER.index(until) + 1]:
+        settings, note = rule.apply(caps, current, vocab_size, accumulation)
+        rungs.append(Rung(rule.name, rule.label_for(settings, accumulation), settings, note))
         current = settings or current
     return rungs
 
@@ -247,6 +265,18 @@ def run_step(step: TrainingStep, tf32: bool, batches: list[tuple[torch.Tensor, t
         return step(batches).loss
 
 
+@dataclass
+class BoundStep:
+    """A rung's training step bound to its micro-batches: calling it runs one optimizer step and returns the loss."""
+
+    step: TrainingStep
+    tf32: bool
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def __call__(self) -> float:
+        return run_step(self.step, self.tf32, self.batches)
+
+
 def make_batches(vocab_size: int, settings: StepSettings, device: torch.device | str,
                  seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`accumulation` micro-batches of random token ids (inputs, next-token targets); speed does not depend on
@@ -310,7 +340,8 @@ class Ladder:
         torch.manual_seed(seed)
         self.initial = GPT(self.config)  # every rung starts from these weights (on the CPU)
         self.results: list[RungResult] = []
-        self.best: tuple[RungResult, functools.partial] | None = None
+        self.best: RungResult | None = None  # the fastest rung measured, and its step (for the peer's race)
+        self.best_step: BoundStep | None = None
         self.comparison: dict | None = None
 
     def flops_per_step(self, settings: StepSettings) -> int:
@@ -322,11 +353,10 @@ class Ladder:
             model = padded_vocab_model(model, settings.vocab_multiple)
         return model.set_attn_implementation(settings.attn_implementation).to(self.device)
 
-    def _step(self, model: nn.Module, settings: StepSettings, logits=gpt_logits) -> functools.partial:
-        """A training step bound to this ladder's batches (`.args[0]` is the TrainingStep)."""
-        step = ladder_step(model, settings, self.config.vocab_size, logits)
-        return functools.partial(run_step, step, settings.tf32,
-                                 make_batches(self.config.vocab_size, settings, self.device, self.seed))
+    def _step(self, model: nn.Module, settings: StepSettings, logits=gpt_logits) -> BoundStep:
+        """A training step bound to this ladder's batches."""
+        return BoundStep(ladder_step(model, settings, self.config.vocab_size, logits), settings.tf32,
+                         make_batches(self.config.vocab_size, settings, self.device, self.seed))
 
     def _release(self) -> None:
         gc.collect()
@@ -393,9 +423,9 @@ class Ladder:
                 on_rung()
         return results
 
-    def _keep_if_best(self, result: RungResult, step: functools.partial) -> None:
-        if self.best is None or result.tokens_per_s > self.best[0].tokens_per_s:
-            self.best = (result, step)
+    def _keep_if_best(self, result: RungResult, step: BoundStep) -> None:
+        if self.best is None or result.tokens_per_s > self.best.tokens_per_s:
+            self.best, self.best_step = result, step
 
     def compare_with_transformers(self) -> dict:
         """Our best rung against transformers' GPT2LMHeadModel with the same settings, timed in the same rounds:
@@ -410,7 +440,7 @@ class Ladder:
             self.comparison = {"status": "unavailable",
                                "note": "no rung ran: every rung failed or was skipped (each rung's note says why)"}
             return self.comparison
-        best = self.best[0]
+        best = self.best
         try:
             self.comparison = self._race_transformers()
         except Exception as err:
@@ -421,10 +451,10 @@ class Ladder:
         return self.comparison
 
     def _race_transformers(self) -> dict:
-        best, ours = self.best
+        best, ours = self.best, self.best_step
         s = StepSettings(**best.settings)
         initial = self._model(s)  # the initial weights, padded as our best rung's
-        restart(ours.args[0], initial.state_dict(), s)
+        restart(ours.step, initial.state_dict(), s)
         out = {"best_rung": best.name, "settings": best.settings, "vocab_size": initial.config.vocab_size,
                "attn_implementation": PEER_ATTENTION.get(s.attn_implementation)}
         try:
@@ -471,7 +501,7 @@ class Ladder:
             "peak_flops": self.peak.flops, "peak_source": self.peak.source,
             "flops_per_token": training_step_flops(self.config, plan.batch, plan.ctx) / (plan.batch * plan.ctx),
             "rungs": [dataclasses.asdict(r) for r in self.results],
-            "best_rung": self.best[0].name if self.best else None,
+            "best_rung": self.best.name if self.best else None,
             "transformers": c or None,
             # ours over transformers with our best rung's settings (compiled if it is compiled)
             "ratio_vs_transformers": same,
