@@ -111,3 +111,16 @@ def test_chapter_scripts_name_the_model_as_the_command_line_does():
     for other in (["--preset", "gpt-cpu"], ["--context", "32"], ["--ctx", "0"], ["--model", "gpt-9"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["--out", "x.json", *other])
+
+
+def test_a_notebook_reads_the_model_flags_as_the_chapter_scripts_do():
+    """ch07/04 and 05 once rebuilt the config from the flags by hand and dropped --ffn; they now ask the scripts'
+    parser."""
+    from helpers.model.config import GPTConfig
+    from helpers.parallel.runtime import config_from_flags
+
+    config = config_from_flags(["--model", "gpt-smoke", "--layers", "3", "--ctx", "32", "--ffn", "swiglu"])
+    assert config == GPTConfig.from_preset("gpt-smoke", dropout=0.0, n_layers=3, context_length=32, ffn_type="swiglu")
+    assert config_from_flags([]) == GPTConfig.from_preset("gpt-smoke", dropout=0.0)
+    with pytest.raises(SystemExit):
+        config_from_flags(["--layers", "0"])

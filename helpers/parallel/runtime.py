@@ -9,6 +9,7 @@ import faulthandler
 import json
 import os
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -135,6 +136,14 @@ def config_from_args(args: argparse.Namespace) -> GPTConfig:
                  "context_length": args.ctx, "vocab_size": args.vocab, "ffn_type": args.ffn}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     return GPTConfig.from_preset(args.model, dropout=0.0, **overrides)
+
+
+def config_from_flags(flags: Sequence[str]) -> GPTConfig:
+    """The GPTConfig a chapter script builds from these model flags (`--model`, `--layers`, `--ffn`, ...), read by
+    the scripts' own parser: what a notebook passes to a script, as the script reads it."""
+    parser = argparse.ArgumentParser(prog="model flags")
+    add_common_args(parser)
+    return config_from_args(parser.parse_args(["--out", "unused.json", *map(str, flags)]))
 
 
 def rank_batches(dataset: Dataset, world_size: int, rank: int, batch: int, seed: int, n_batches: int) -> list:
