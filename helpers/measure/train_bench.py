@@ -330,7 +330,7 @@ class Ladder:
                  interleave: bool | None = None) -> None:
         check_bench_args(config, batch, ctx, steps, warmup, accumulation, model_name)
         self.caps = detect_capabilities(device)
-        self.device = self.caps.device
+        self.device = torch.device(device) if device is not None else self.caps.device  # with its index
         self.config = dataclasses.replace(config, dropout=0.0)
         self.model_name, self.steps, self.warmup, self.seed = model_name, steps, warmup, seed
         self.interleave = self.device.type != "cuda" if interleave is None else interleave
