@@ -276,12 +276,13 @@ def code_cells(notebook: Path):
 def test_a_model_that_trains_in_a_cell_is_on_the_notebooks_device(notebook):
     """A model built and trained by hand must be moved to DEVICE (a Trainer moves its own): at the gpu scale a
     124M-parameter step on the host is minutes of CPU time and more memory than a free Colab machine has. A float64
-    model is a small exactness check, on the CPU on purpose (GPUs compute float64 slowly, if at all)."""
+    model is a small exactness check, on the CPU on purpose (GPUs compute float64 slowly, if at all), as is a cell
+    that says so ("on the CPU on purpose")."""
     cells = list(code_cells(ROOT / notebook))
     if not any(re.search(r"^DEVICE\s*=", source, re.MULTILINE) for source in cells):
         return  # a notebook without a device parameter runs on the CPU on purpose
     for source in cells:
-        if ".backward(" in source:
+        if ".backward(" in source and "on the CPU on purpose" not in source:
             for line in source.splitlines():
                 if re.search(r"=\s*(helpers\.)?GPT\(", line) and ".double()" not in line:  # float64: a tiny exact
                     assert re.search(r"\.to\((DEVICE|device)", line), f"{notebook}: {line.strip()}"
