@@ -4,6 +4,7 @@ partition and the gradient hooks tested without processes."""
 
 import itertools
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,21 @@ def test_zero1_on_one_rank_is_adamw(one_rank_group):
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-14)
     assert zero.state_bytes() == 2 * sum(p.numel() for p in model.parameters()) * FLOAT64
+
+
+def test_finish_reads_its_times_after_waiting_for_the_compute_stream(one_rank_group, monkeypatch):
+    """On CUDA the host runs ahead of the GPU and NCCL's wait() does not block it: finish() waits for the compute
+    stream before it reads the end of backward and after the gradients are averaged, and the overlap wrapper after
+    each all_reduce it waits for. No GPU here: the waits are recorded in order with the times the log reads."""
+    wrapper = BucketedOverlapDDP(tiny_gpt(), bucket_mb=0.001)
+    waits = []
+    monkeypatch.setattr(wrapper, "wait_for_compute", lambda: waits.append(time.perf_counter()))
+    x = torch.randint(0, 64, (2, 8))
+    wrapper.zero_grad()
+    lm_loss(wrapper(x), x).backward()
+    wrapper.finish()
+    log = wrapper.log
+    assert len(log.completed) > 1 and len(waits) == len(log.completed) + 2
+    assert waits[0] <= log.backward_end <= waits[1]
+    assert all(wait <= done for wait, done in zip(waits[1:-1], log.completed, strict=True))
+    assert log.completed[-1] <= waits[-1] <= log.finished

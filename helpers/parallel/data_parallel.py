@@ -13,8 +13,11 @@ the gradients must be averaged over the ranks. Three ways, each wrapping a model
 
 Each wrapper logs, per step, the all_reduce calls, the bytes handed to them and, for the overlap measurement, when
 each was launched, when backward returned and when the gradients were averaged (`time.perf_counter`, the host
-clock: on CUDA these are when work was queued, and finish() returns once NCCL's work is ordered before the
-current stream's, not done; synchronize before reading a time there).
+clock). On CUDA kernels and NCCL's all_reduce run asynchronously: the launch times are when work was queued, and
+`finish()` waits for the compute stream before it reads the end of backward (the backward kernels have run; the
+all_reduces on NCCL's own streams go on) and again after the gradients were averaged (waiting on a collective
+orders it before the compute stream), so the two times, and the exposed communication between them, are when
+the GPU got there.
 """
 
 from __future__ import annotations
@@ -156,9 +159,18 @@ class GradientAverager:
         """Call after backward: afterwards every rank's gradients are the mean over the ranks."""
         if not self.syncing:
             return
+        self.wait_for_compute()
         self.log.backward_end = time.perf_counter()
         self.average_gradients()
+        self.wait_for_compute()
         self.log.finished = time.perf_counter()
+
+    def wait_for_compute(self) -> None:
+        """On CUDA, block until the current stream's queued kernels have run (not NCCL's streams); elsewhere the
+        host already waited for them."""
+        device = self.params[0].device
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
     def average_gradients(self) -> None:
         raise NotImplementedError
@@ -258,6 +270,7 @@ class BucketedOverlapDDP(GradientAverager):
                 self.launch(self.next_bucket)
             for work in self.works:
                 work.wait()
+                self.wait_for_compute()  # on CUDA wait() only orders the all_reduce before the compute stream
                 self.log.completed.append(time.perf_counter())
         for buffer in self.buffers:
             buffer.div_(self.world_size)
