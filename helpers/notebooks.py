@@ -17,9 +17,9 @@ from pathlib import Path
 
 import nbformat
 
-from .cli import Command
 from .measure.claims import claims_in_text
 from .system.args import positive_float, positive_int
+from .system.cli import Command
 from .system.files import atomic_path
 from .system.repository import REPOSITORY_URL, REVISION, ROOT
 

@@ -83,8 +83,8 @@ def test_help_imports_no_benchmark_library(python_process):
 
 def test_scale_defaults_are_written_once_and_shown_by_help(capsys, monkeypatch):
     """The help text and the values a command runs with both come from the command's scale_defaults."""
-    from helpers.cli import fill_scale_defaults
     from helpers.measure.serving_bench import COMMAND
+    from helpers.system.cli import fill_scale_defaults
 
     with pytest.raises(SystemExit):
         main(["bench-serve", "--help"])

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
 from ..model.attention import IMPLEMENTATIONS, CausalSelfAttention, unavailable_reason
 from ..system.args import positive_float
+from ..system.cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
 from ..system.device import DTYPES, parse_dtype
 from .memory import peak_cuda_bytes, peak_rss_above_baseline, run_in_fresh_process
 from .timing import Spread, interleaved

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..cli import Command, add_device, add_json
+from ..system.cli import Command, add_device, add_json
 from ..system.device import detect_capabilities, dtype_name, parse_dtype
 from ..system.files import atomic_path, cache_dir
 from .timing import Spread, interleaved

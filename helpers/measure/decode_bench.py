@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
 from ..inference.kv_cache import KVCache, kv_cache_bytes_per_token
 from ..inference.kv_quant import kv_bytes_per_token_int8
 from ..inference.quantization import quantize_linears
 from ..model.config import PRESETS, GPTConfig
 from ..model.gpt import GPT
 from ..system.args import positive_int
+from ..system.cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
 from .calibration import Calibration
 from .timing import Spread, interleaved
 

@@ -30,10 +30,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..cli import Command, add_json
 from ..model.config import PRESETS, GPTConfig
 from ..model.gpt import GPT, swiglu_hidden_dim
 from ..system.args import positive_int
+from ..system.cli import Command, add_json
 
 # ---- analytic counts ----
 

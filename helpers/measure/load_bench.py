@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..cli import Command, add_device, add_json
 from ..model.config import PRESETS, GPTConfig
 from ..model.gpt import GPT
 from ..model.loading import CHECKPOINT_FILES, STRATEGIES, save_tensor_files
 from ..system.args import positive_int
+from ..system.cli import Command, add_device, add_json
 from ..system.device import synchronize
 from ..training.checkpoint import save_checkpoint
 from .memory import (

@@ -13,11 +13,11 @@ import sys
 
 import torch
 
-from ..cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
 from ..inference.serving import Request, ServingRun, contiguous_layout, serve
 from ..model.config import PRESETS, GPTConfig
 from ..model.gpt import GPT
 from ..system.args import positive_int
+from ..system.cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
 from ..system.device import dtype_name
 from ..text.data import load_token_ids
 from .timing import Spread, verdict

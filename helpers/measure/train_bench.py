@@ -36,12 +36,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
 from ..model.config import PRESETS, GPTConfig
 from ..model.gpt import GPT
 from ..model.lm_head import chunk_tokens_for
 from ..model.loading import tie_weights
 from ..system.args import positive_int
+from ..system.cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
 from ..system.device import (
     DeviceCapabilities,
     autocast_dtype,

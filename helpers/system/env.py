@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..cli import Command, add_json
+from .cli import Command, add_json
 from .device import DeviceCapabilities, autocast_dtype, detect_capabilities, dtype_name, needs_grad_scaler
 from .scale import current_scale
 

@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .system.args import positive_int
+from .args import positive_int
 
 SCALES = ("smoke", "cpu", "gpu")
 DEVICES = ("cpu", "cuda", "mps")
@@ -48,8 +48,8 @@ def add_scaled(parser: argparse.ArgumentParser, command: Command, dest: str, wha
 
 def fill_scale_defaults(args: argparse.Namespace, command: Command) -> str:
     """Set every option of `command` left out to its default at this device's scale; returns the device."""
-    from .system.device import default_device_type
-    from .system.scale import current_scale
+    from .device import default_device_type
+    from .scale import current_scale
 
     device = args.device or default_device_type()
     for dest, value in command.scale_defaults[current_scale(device)].items():
