@@ -7,7 +7,13 @@
 is a virtual environment in `.venv-<name>` beside the course's own `.venv` (kept, so a rerun only tests again).
 Only the tests marked `versions` run here (torch.compile, DTensor and pipelining, torchao, transformers, FlexAttention,
 the Triton interpreter, torch's private APIs; tests/conftest.py assigns the marker): `make test` ran every test in
-the main environment already. A leg whose resolved versions equal the main environment's is skipped.
+the main environment already. A leg whose versions equal the main environment's is skipped.
+
+    python3 .ci/matrix.py lowest --discard   # CI: remove the environment after its tests, freeing the disk
+
+Disk: pip takes a CUDA build of torch from PyPI (no CPU build of it is there), about 5-7 GB unpacked, and holds
+the downloaded wheels until the install ends. A leg checks the free space first: where the disk cannot hold it, it
+says so and is skipped (the disk, not the code, is short; `make test` has run every test).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +36,9 @@ MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
 WORKERS = str(max(1, min(4, len(os.sched_getaffinity(0)))))
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=25", "--timeout=900"]
 NO_TESTS = 5  # pytest's exit status when the selection is empty
+# Free disk a leg needs at its peak (downloaded wheels + the environment), measured on x86_64 Linux, Python 3.11:
+# lowest 11.0 GB (torch 2.8.0+cu128 downloaded, 7.1 GB unpacked), newest 5.5 GB (torch 2.14.1+cu130).
+DISK_NEEDED_GB = {"lowest": 12, "newest": 7}
 
 
 def lower_bounds(requirements: list[str]) -> list[str]:
@@ -88,9 +98,28 @@ def pytest(python: str, marker: str, *options: str) -> None:
         raise subprocess.CalledProcessError(status, command)
 
 
-def main(variant: str) -> int:
-    if variant not in VARIANTS:
-        print(f"usage: python3 .ci/matrix.py {{{','.join(VARIANTS)}}}", file=sys.stderr)
+def leg_versions(variant: str, python: str, install: list[str], venv: Path) -> dict[str, str]:
+    """The versions the leg would test: the lower bounds themselves for `lowest` (resolving them would download
+    every wheel once more), what pip resolves today for `newest`."""
+    if variant == "lowest":
+        pins = (line.split(";")[0].partition("==") for line in (venv / "lower-bounds.txt").read_text().splitlines())
+        return {canonical(name.strip()): version.strip() for name, _, version in pins if version}
+    return resolved_versions(python, install)
+
+
+def disk_shortfall(variant: str) -> str | None:
+    """Why the leg's install could not finish on this disk, or None when the free space covers its measured peak."""
+    free_gb = shutil.disk_usage(ROOT).free / 1e9
+    if free_gb >= DISK_NEEDED_GB[variant]:
+        return None
+    return (f"{variant}: SKIPPED, {free_gb:.1f} GB free on this disk and the leg needs about "
+            f"{DISK_NEEDED_GB[variant]} GB (a CUDA build of torch from PyPI): free disk space to run it")
+
+
+def main(argv: list[str]) -> int:
+    variant, *options = argv or [""]
+    if variant not in VARIANTS or options not in ([], ["--discard"]):
+        print(f"usage: python3 .ci/matrix.py {{{','.join(VARIANTS)}}} [--discard]", file=sys.stderr)
         return 2
     start = time.perf_counter()
     venv = ROOT / f".venv-{variant}"
@@ -98,19 +127,32 @@ def main(variant: str) -> int:
     if not venv.exists():
         run([sys.executable, "-m", "venv", str(venv)])
     install = install_args(variant, venv)
-    resolved, main_env = resolved_versions(python, install), main_versions()
-    if main_env is not None and all(main_env.get(name) == version for name, version in resolved.items()):
-        print(f"{variant}: skipped, its {len(resolved)} resolved packages are the main environment's versions")
+    versions, main_env = leg_versions(variant, python, install, venv), main_versions()
+    if main_env is not None and all(main_env.get(name) == version for name, version in versions.items()):
+        print(f"{variant}: skipped, its {len(versions)} packages are the main environment's versions")
         return 0
-    run([python, "-m", "pip", "install", "--quiet", *install])
+    shortfall = disk_shortfall(variant)
+    if shortfall:
+        print(shortfall, file=sys.stderr)
+        return 0
+    try:
+        install_and_test(variant, python, install, start)
+    finally:
+        if options:
+            shutil.rmtree(venv)
+            print(f"{variant}: removed {venv.name}/")
+    return 0
+
+
+def install_and_test(variant: str, python: str, install: list[str], start: float) -> None:
+    run([python, "-m", "pip", "install", "--quiet", "--no-cache-dir", *install])
     run([python, "-c", "import torch, transformers, torchao, triton; "
                        "print(torch.__version__, transformers.__version__, torchao.__version__, triton.__version__)"])
     installed = time.perf_counter()
     pytest(python, "versions and not serial", "-n", WORKERS, "--dist", "loadgroup")
     pytest(python, "versions and serial")  # alone: they measure time or memory
     print(f"{variant}: installed in {installed - start:.0f} s, tested in {time.perf_counter() - installed:.0f} s")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) == 2 else ""))
+    sys.exit(main(sys.argv[1:]))

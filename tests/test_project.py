@@ -1,6 +1,7 @@
 """Packaging: what the README promises about installing stays true."""
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,8 +55,49 @@ def load_matrix():
 
 def test_ci_runs_the_unit_tests_on_the_oldest_and_the_newest_torch():
     ci = (ROOT / ".ci" / "run").read_text()
-    assert re.search(r"^python3 \.ci/matrix\.py lowest$", ci, re.M)
-    assert re.search(r"^python3 \.ci/matrix\.py newest$", ci, re.M)
+    assert re.search(r"^python3 \.ci/matrix\.py lowest --discard$", ci, re.M)
+    assert re.search(r"^python3 \.ci/matrix\.py newest --discard$", ci, re.M)
+
+
+@pytest.mark.parametrize("argv", [[], ["oldest"], ["lowest", "--keep"], ["newest", "--discard", "extra"]])
+def test_the_matrix_exits_2_on_a_usage_error(argv, capsys):
+    assert load_matrix().main(argv) == 2
+    assert capsys.readouterr().err.startswith("usage: python3 .ci/matrix.py {lowest,newest} [--discard]")
+
+
+def test_a_leg_the_disk_cannot_hold_is_skipped_before_it_installs_and_says_why(tmp_path, monkeypatch, capsys):
+    matrix = load_matrix()
+    monkeypatch.setattr(matrix, "ROOT", tmp_path)
+    monkeypatch.setattr(matrix, "MAIN_PYTHON", tmp_path / "no-main-environment")
+    monkeypatch.setattr(matrix, "DISK_NEEDED_GB", {"lowest": 10**9, "newest": 0})
+    (tmp_path / ".venv-lowest").mkdir()  # exists: no venv is created
+    (tmp_path / "requirements.txt").write_text("torch>=2.8\n")
+    (tmp_path / "pyproject.toml").write_text('[project.optional-dependencies]\ndev = ["pytest>=8"]\n')
+    installs = []
+    monkeypatch.setattr(matrix, "run", installs.append)
+    assert matrix.main(["lowest", "--discard"]) == 0
+    assert installs == [] and "lowest: SKIPPED" in capsys.readouterr().err
+    assert (tmp_path / ".venv-lowest").exists()  # nothing ran, nothing to discard
+    assert matrix.leg_versions("lowest", "", [], tmp_path / ".venv-lowest") == {"torch": "2.8", "pytest": "8"}
+    assert matrix.disk_shortfall("newest") is None
+
+
+def test_discard_removes_the_environment_even_when_its_tests_fail(tmp_path, monkeypatch):
+    matrix = load_matrix()
+    monkeypatch.setattr(matrix, "ROOT", tmp_path)
+    monkeypatch.setattr(matrix, "MAIN_PYTHON", tmp_path / "no-main-environment")
+    monkeypatch.setattr(matrix, "DISK_NEEDED_GB", {"lowest": 0, "newest": 0})
+    (tmp_path / ".venv-lowest").mkdir()
+    (tmp_path / "requirements.txt").write_text("torch>=2.8\n")
+    (tmp_path / "pyproject.toml").write_text('[project.optional-dependencies]\ndev = []\n')
+
+    def failing_leg(*args):
+        raise subprocess.CalledProcessError(1, ["pytest"])
+
+    monkeypatch.setattr(matrix, "install_and_test", failing_leg)
+    with pytest.raises(subprocess.CalledProcessError):
+        matrix.main(["lowest", "--discard"])
+    assert not (tmp_path / ".venv-lowest").exists()
 
 
 def test_the_lowest_environment_pins_every_declared_lower_bound():
