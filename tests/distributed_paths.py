@@ -11,7 +11,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from helpers.model.attention import IMPLEMENTATIONS, unavailable_reason
+from helpers.model.attention import IMPLEMENTATIONS, AttentionCall, unavailable_reason
 from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
 from helpers.parallel.pipeline import (
@@ -74,7 +74,8 @@ def main() -> None:
     rows = []
     for ffn in ("gelu", "swiglu"):
         for name in sys.argv[2:] or IMPLEMENTATIONS:
-            dtype = torch.float64 if unavailable_reason(name, "cpu", torch.float64) is None else torch.float32
+            f64 = unavailable_reason(name, AttentionCall("cpu", torch.float64)) is None
+            dtype = torch.float64 if f64 else torch.float32
             torch.manual_seed(0)
             base = GPT(GPTConfig(**{**CONFIG.__dict__, "ffn_type": ffn}), attn_implementation=name).to(dtype)
             try:

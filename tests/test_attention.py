@@ -11,7 +11,7 @@ import torch
 
 from helpers import GPT, GPTConfig
 from helpers.measure.attention_bench import flash_refusal, sdpa_backend_used
-from helpers.model.attention import IMPLEMENTATIONS, CausalSelfAttention, unavailable_reason
+from helpers.model.attention import IMPLEMENTATIONS, AttentionCall, CausalSelfAttention, unavailable_reason
 from helpers.system import optional
 
 NAMES = list(IMPLEMENTATIONS)
@@ -33,7 +33,8 @@ def reference_attention(x, qkv_w, qkv_b, out_w, out_b, heads):
 
 def make_case(name, shape, requires_grad):
     batch, seq, d_in, d_model, heads = shape
-    reason = unavailable_reason(name, "cpu", torch.float32, d_in, d_model, backward=requires_grad)
+    call = AttentionCall("cpu", torch.float32, backward=requires_grad, reshapes=d_in != d_model)
+    reason = unavailable_reason(name, call)
     if reason:
         pytest.skip(f"{name}: {reason}")
     torch.manual_seed(0)
@@ -66,10 +67,11 @@ def test_gradients_match_float64_reference(name, shape):
 
 
 def test_unavailable_implementations_say_why():
-    assert "d_in == d_model" in unavailable_reason("nn_mha", "cpu", torch.float32, 24, 32)
-    assert "no backward pass on CPU" in unavailable_reason("flex_attention", "cpu", torch.float32, backward=True)
-    assert unavailable_reason("flex_attention", "cpu", torch.float32) is None
-    assert "attention dropout" in unavailable_reason("flash_torch", "cpu", torch.float32, dropout=0.1)
+    assert "d_in == d_model" in unavailable_reason("nn_mha", AttentionCall("cpu", torch.float32, reshapes=True))
+    training = AttentionCall("cpu", torch.float32, backward=True)
+    assert "no backward pass on CPU" in unavailable_reason("flex_attention", training)
+    assert unavailable_reason("flex_attention", AttentionCall("cpu", torch.float32)) is None
+    assert "attention dropout" in unavailable_reason("flash_torch", AttentionCall("cpu", torch.float32, dropout=0.1))
     module = CausalSelfAttention(32, 4, dropout=0.1, attn_implementation="flash_torch").train()
     with pytest.raises(RuntimeError, match="'flash_torch' cannot run here: .*no attention dropout"):
         module(torch.randn(1, 5, 32))
@@ -123,7 +125,7 @@ def test_gpt_gives_the_same_logits_under_every_available_implementation():
         expected = model(idx)
         ran = []
         for name in NAMES:
-            if unavailable_reason(name, "cpu", torch.float32, 64, 64) is None:
+            if unavailable_reason(name, AttentionCall("cpu", torch.float32)) is None:
                 torch.testing.assert_close(copy.deepcopy(model).set_attn_implementation(name)(idx), expected,
                                            rtol=1e-4, atol=1e-4)
                 ran.append(name)
@@ -195,3 +197,65 @@ def test_gpu_benchmark_script_runs_in_smoke_mode(chapter_script, tmp_path):
     assert set(run["modes"]) == {"fwd", "fwdbwd", "compiled"}
     assert {r["name"] for r in run["modes"]["fwd"]} == set(IMPLEMENTATIONS)
     assert run["max_seq"]["sdpa"] == 128 and list(tmp_path.glob("attention_*.png"))
+
+
+def test_a_new_backend_is_one_class_and_runs_through_the_model_the_kv_cache_and_the_engine():
+    """A backend added as one registered class serves the model, `generate_with_cache` and the serving engine, and
+    its limits are asked before it runs: here a float64 softmax(QK^T)V written out, against the model on SDPA."""
+    from helpers.inference.kv_cache import generate_with_cache
+    from helpers.inference.serving import Request, serve
+    from helpers.model.attention import AttentionBackend, register
+
+    calls = []
+
+    @register
+    class Float64Attention(AttentionBackend):
+        name, description = "float64_toy", "softmax(QK^T)V in float64, cast back (a test's backend)"
+        masked = True
+
+        @staticmethod
+        def kernel(q, k, v, dropout_p=0.0, attn_mask=None, is_causal=True):
+            calls.append((q.size(-2), k.size(-2), is_causal))
+            scores = q.double() @ k.double().transpose(-2, -1) / q.size(-1) ** 0.5
+            if is_causal:
+                attn_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
+            if attn_mask is not None:
+                scores = scores.masked_fill(~attn_mask, float("-inf"))
+            return (scores.softmax(-1) @ v.double()).to(q.dtype)
+
+        def limits(self, call):
+            return "this toy has no backward pass" if call.backward else None
+
+    try:
+        config = GPTConfig(vocab_size=61, context_length=24, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
+        torch.manual_seed(0)
+        reference = GPT(config).eval()
+        toy = GPT(config, attn_implementation="float64_toy").eval()
+        toy.load_state_dict(reference.state_dict())
+        idx = torch.randint(config.vocab_size, (2, 9))
+        with torch.no_grad():
+            torch.testing.assert_close(toy(idx), reference(idx), rtol=1e-5, atol=1e-5)
+            expected = reference.generate(idx, 6)
+            calls.clear()
+            assert torch.equal(generate_with_cache(toy, idx, 6), expected)
+            assert (9, 9, True) in calls and (1, 14, False) in calls  # the prompt, then one token over the cache
+            calls.clear()
+            run = serve(toy, [Request(i, tuple(row.tolist()), 6) for i, row in enumerate(idx)], max_batch=2,
+                        block_size=4)
+            assert (9, 9, True) in calls and (1, 14, False) in calls  # prefill, then the last token over 14 cached
+        assert [list(idx[i]) + c.tokens for i, c in enumerate(run.completions)] == expected.tolist()
+        with pytest.raises(RuntimeError, match="'float64_toy' cannot run here: this toy has no backward pass"):
+            toy.train()(idx)
+    finally:
+        IMPLEMENTATIONS.pop("float64_toy")
+
+
+def test_a_backend_the_forward_pass_cannot_use_is_refused_when_registered():
+    from helpers.model.attention import AttentionBackend, register
+
+    class Nameless(AttentionBackend):
+        kernel = staticmethod(lambda q, k, v, dropout_p=0.0: q)
+
+    with pytest.raises(TypeError, match="needs a name and exactly one of `kernel` and `layout`"):
+        register(Nameless)
+    assert "" not in IMPLEMENTATIONS

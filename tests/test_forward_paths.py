@@ -16,7 +16,7 @@ import torch
 from helpers import GPT, GPTConfig
 from helpers.inference.kv_cache import KVCache, generate_with_cache
 from helpers.inference.serving import Request, serve
-from helpers.model.attention import IMPLEMENTATIONS, unavailable_reason
+from helpers.model.attention import IMPLEMENTATIONS, AttentionCall, unavailable_reason
 
 CONFIG = GPTConfig(vocab_size=61, context_length=16, d_model=48, n_heads=4, n_layers=2, dropout=0.0)
 FFNS = ("gelu", "swiglu")
@@ -26,7 +26,7 @@ KERNELS = [pytest.param(name, marks=() if name in REPRESENTATIVES else pytest.ma
 
 
 def dtype_for(name: str) -> torch.dtype:
-    return torch.float64 if unavailable_reason(name, "cpu", torch.float64) is None else torch.float32
+    return torch.float64 if unavailable_reason(name, AttentionCall("cpu", torch.float64)) is None else torch.float32
 
 
 def model_for(ffn: str, name: str) -> GPT:
@@ -35,7 +35,7 @@ def model_for(ffn: str, name: str) -> GPT:
 
 
 def forward_reason(name: str) -> str | None:
-    return unavailable_reason(name, "cpu", dtype_for(name))
+    return unavailable_reason(name, AttentionCall("cpu", dtype_for(name)))
 
 
 @pytest.mark.parametrize("name", KERNELS)
@@ -46,7 +46,7 @@ def test_kv_cache_path(ffn, name):
     model = model_for(ffn, name)
     idx = torch.randint(CONFIG.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
     cache = KVCache(CONFIG, batch=2, max_len=11, dtype=dtype_for(name))
-    reason = unavailable_reason(name, "cpu", dtype_for(name), cached=True)
+    reason = unavailable_reason(name, AttentionCall("cpu", dtype_for(name), cached=True))
     if reason is not None:
         with pytest.raises(RuntimeError, match="a KV cache needs new queries against every cached key"):
             model(idx, cache=cache)
@@ -70,7 +70,7 @@ def test_paged_engine_path(ffn, name):
     requests = [Request(i, tuple(torch.randint(CONFIG.vocab_size, (n,), generator=generator).tolist()), 5)
                 for i, n in enumerate((1, 7, 3, 9))]
     engine_args = dict(max_batch=3, block_size=4, max_step_tokens=8)  # chunked prefill and batched decode
-    if unavailable_reason(name, "cpu", dtype_for(name), cached=True) is not None:
+    if unavailable_reason(name, AttentionCall("cpu", dtype_for(name), cached=True)) is not None:
         with pytest.raises(RuntimeError, match="a KV cache needs new queries against every cached key"):
             serve(model, requests, **engine_args)
         return
@@ -97,8 +97,9 @@ def distributed_paths(request, torchrun, tmp_path_factory):
 def test_distributed_path(distributed_paths, path, ffn, name):
     row = distributed_paths[path, ffn, name]
     dtype = dtype_for(name)
-    reason = unavailable_reason(name, "cpu", dtype, backward=True)  # these paths train: forward and backward
-    sharded = unavailable_reason(name, "cpu", dtype, sharded=True)
+    # these paths train: forward and backward
+    reason = unavailable_reason(name, AttentionCall("cpu", dtype, backward=True))
+    sharded = unavailable_reason(name, AttentionCall("cpu", dtype, sharded=True))
     if reason is not None:
         assert row["status"] == "refused" and "cannot run here" in row["reason"], row
     elif path != "pipeline" and sharded is not None:

@@ -14,7 +14,7 @@ from helpers.inference.kv_cache import KVCache, generate_with_cache, kv_cache_by
 from helpers.inference.serving import Request, serve
 from helpers.measure.flops import flop_counter_flops, forward_flops, fvcore_flops
 from helpers.measure.serving_bench import reference_tokens
-from helpers.model.attention import IMPLEMENTATIONS, CausalSelfAttention, unavailable_reason
+from helpers.model.attention import IMPLEMENTATIONS, AttentionCall, CausalSelfAttention, unavailable_reason
 from helpers.model.hf_gpt2 import WeightsError, save_hf_gpt2
 from helpers.model.hf_llama import config_from_hf, load_hf_llama, save_hf_llama
 from helpers.model.rope import apply_rope, rope_angles
@@ -85,7 +85,7 @@ SHAPES = [(1, 1, 32, 4, 1, 8, False), (2, 37, 48, 6, 2, 8, True), (1, 67, 32, 4,
 
 def modern_case(name, shape, requires_grad):
     batch, seq, d_model, heads, kv_heads, head_dim, qk_norm = shape
-    reason = unavailable_reason(name, "cpu", torch.float32, backward=requires_grad, modern=True)
+    reason = unavailable_reason(name, AttentionCall("cpu", torch.float32, backward=requires_grad, modern=True))
     if reason:
         pytest.skip(f"{name}: {reason}")
     torch.manual_seed(0)
@@ -107,7 +107,7 @@ def modern_case(name, shape, requires_grad):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", KERNELS)
 def test_modern_attention_forward_and_gradients_match_float64(name, shape):
-    forward_only = unavailable_reason(name, "cpu", torch.float32, backward=True, modern=True) is not None
+    forward_only = unavailable_reason(name, AttentionCall("cpu", torch.float32, backward=True, modern=True)) is not None
     module, x, rope, ref, heads, kv_heads = modern_case(name, shape, requires_grad=not forward_only)
     with torch.set_grad_enabled(not forward_only):
         out = module(x, rope=rope)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..model.attention import IMPLEMENTATIONS, CausalSelfAttention, unavailable_reason
+from ..model.attention import IMPLEMENTATIONS, AttentionCall, CausalSelfAttention, unavailable_reason
 from ..system.args import positive_float
 from ..system.cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
 from ..system.device import DTYPES, parse_dtype
@@ -49,7 +49,7 @@ class AttentionBenchResult:
 
 
 def _skip_reason(name: str, mode: str, device: torch.device, dtype: torch.dtype, d_model: int) -> str | None:
-    reason = unavailable_reason(name, device, dtype, d_model, d_model, backward=mode == "fwdbwd")
+    reason = unavailable_reason(name, AttentionCall(device, dtype, backward=mode == "fwdbwd"))
     if reason is None and mode == "compiled" and name == "flash_torch":
         reason = "not compiled: its Python loop over tiles would unroll into thousands of graph nodes"
     return reason

@@ -8,12 +8,13 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from ..model.attention import IMPLEMENTATIONS
 from ..model.gpt import GPT
 from ..model.hf_gpt2 import hf_config_dict, hf_state_dict
 from ..system.optional import require
 
-# our attention implementations that transformers' GPT-2 also has, under its names
-PEER_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash_attention_2": "flash_attention_2"}
+# our attention implementations that transformers' GPT-2 also has, under its names (each backend says)
+PEER_ATTENTION = {name: b.transformers_name for name, b in IMPLEMENTATIONS.items() if b.transformers_name}
 
 
 def _import_transformers() -> ModuleType:

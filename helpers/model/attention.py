@@ -10,8 +10,9 @@ name, so the same weights can run (and be compared, timed and measured) under ea
   `torch.nn.MultiheadAttention`, FlexAttention;
 * FlashAttention: flash-attn's `flash_attn_func`, and our from-scratch versions in PyTorch and Triton.
 
-An implementation that cannot run for a given device, dtype or shape says why
-(`unavailable_reason`); it is never silently replaced by another.
+Each is an `AttentionBackend` that owns its limits: one that cannot run for a given device, dtype or
+use says why (`IMPLEMENTATIONS[name].unavailable_reason(AttentionCall(...))`); it is never silently
+replaced by another.
 """
 
 from __future__ import annotations
@@ -219,53 +220,202 @@ def _nn_mha_forward(m: CausalSelfAttention, x: torch.Tensor, dropout_p: float) -
     return mha(x, x, x, attn_mask=future, need_weights=False, is_causal=True)[0]
 
 
-# ---- the registry ----
+# ---- the backends: each owns its limits; one registry ----
 
 
 @dataclass(frozen=True)
-class AttentionImplementation:
-    """Either a layout (computes GPT-2's attention from the weights itself) or a kernel (q, k, v -> output) that runs
-    behind the module's own projection; `masked`: the kernel takes an explicit mask, which attention over a KV cache
-    (new queries against every cached key) needs."""
+class AttentionCall:
+    """What a forward pass asks of an attention backend: where it runs and what it must support.
 
-    name: str
-    description: str
-    layout: Callable[[CausalSelfAttention, torch.Tensor, float], torch.Tensor] | None = None
+    `cached`: attention over a KV cache (new queries against every cached key, an explicit mask); `sharded`: in a
+    tensor-parallel model, whose projection layers are swapped for sharded ones; `modern`: attention with GQA, RoPE,
+    QK-norm or a head width other than d_model / n_heads (chapter 8); `reshapes`: an input width d_in other than
+    d_model (chapter 3's modules).
+    """
+
+    device: torch.device | str
+    dtype: torch.dtype
+    backward: bool = False
+    dropout: float = 0.0
+    cached: bool = False
+    sharded: bool = False
+    modern: bool = False
+    reshapes: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", torch.device(self.device))
+
+
+class AttentionBackend:
+    """One way to compute causal attention, and what it cannot do.
+
+    A *kernel* backend defines `kernel(q, k, v, dropout_p=0.0[, attn_mask, is_causal])` and runs behind the module's
+    own projection (which also does GQA, RoPE and QK-norm); a *layout* backend defines `layout(module, x, dropout_p)`
+    and computes GPT-2's attention from the weight matrices itself. The rules of each kind are here, in
+    `unavailable_reason`; what only one backend cannot do is its `limits`. Adding a backend: one subclass, decorated
+    with `register`, and its tests.
+    """
+
+    name: str = ""
+    description: str = ""
     kernel: Callable[..., torch.Tensor] | None = None
+    layout: Callable[[CausalSelfAttention, torch.Tensor, float], torch.Tensor] | None = None
     supports_dropout: bool = True
-    masked: bool = False
+    masked: bool = False  # the kernel takes an explicit mask (True = may attend), which a KV cache needs
+    transformers_name: str | None = None  # transformers' attn_implementation with the same kernel (the peer's)
+
+    def __init__(self) -> None:
+        self._served: set[AttentionCall] = set()
+
+    def limits(self, call: AttentionCall) -> str | None:
+        """Why this backend alone cannot serve `call` (device, dtype, backward...), or None."""
+        return None
+
+    def unavailable_reason(self, call: AttentionCall) -> str | None:
+        """Why this backend cannot serve `call`, or None when it can; it is never silently replaced by another."""
+        if call.modern and self.kernel is None:
+            return (f"{self.name} writes out GPT-2's attention from the weight matrices, without GQA, RoPE or "
+                    f"QK-norm: use one of {', '.join(kernel_names())}")
+        if call.sharded and self.kernel is None:
+            return (f"{self.name} computes its projections from the full weight matrices itself, but tensor "
+                    f"parallelism swaps the model's projection layers for sharded ones: use one of "
+                    f"{', '.join(kernel_names())}")
+        if call.cached and not self.masked:
+            masked = ", ".join(name for name, b in IMPLEMENTATIONS.items() if b.masked)
+            return (f"{self.name} computes causal attention over a square score matrix only, and a KV cache needs "
+                    f"new queries against every cached key (an explicit mask): use one of {masked}")
+        if call.dropout > 0.0 and not self.supports_dropout:
+            return f"{self.name} has no attention dropout: use dropout=0.0, or 'sdpa'"
+        return self.limits(call)
+
+    def check(self, call: AttentionCall) -> None:
+        """Raise when this backend cannot serve `call`. The forward pass asks at every step; each distinct call
+        (device, dtype, training or not...) is worked out once. Under torch.compile the check runs while tracing, once
+        per graph, and nothing is stored (a compiled graph cannot keep Python objects)."""
+        compiling = torch.compiler.is_compiling()
+        if not compiling and call in self._served:
+            return
+        reason = self.unavailable_reason(call)
+        if reason is not None:
+            raise RuntimeError(f"attn_implementation={self.name!r} cannot run here: {reason}")
+        if not compiling:
+            self._served.add(call)
 
 
-def _kernel_implementation(name: str, description: str, kernel: Callable[..., torch.Tensor],
-                           supports_dropout: bool = True, masked: bool = False) -> AttentionImplementation:
-    return AttentionImplementation(name, description, kernel=kernel, supports_dropout=supports_dropout, masked=masked)
+IMPLEMENTATIONS: dict[str, AttentionBackend] = {}
 
 
-IMPLEMENTATIONS: dict[str, AttentionImplementation] = {
-    impl.name: impl
-    for impl in (
-        AttentionImplementation("wrapper", "single-head causal attentions in a loop, concatenated",
-                                layout=_wrapper_forward),
-        AttentionImplementation("stacked", "separate Q, K, V projections; heads via view/transpose",
-                                layout=_stacked_forward),
-        _kernel_implementation("eager", "fused QKV projection (GPT-2's c_attn), explicit softmax(QK^T)V",
-                               eager_attention, masked=True),
-        AttentionImplementation("einsum", "every contraction as torch.einsum", layout=_einsum_forward),
-        _kernel_implementation("sdpa", "F.scaled_dot_product_attention(is_causal=True)", sdpa_attention,
-                               masked=True),
-        _kernel_implementation("sdpa_mask", "F.scaled_dot_product_attention with an explicit boolean mask",
-                               sdpa_masked_attention, masked=True),
-        AttentionImplementation("nn_mha", "torch.nn.MultiheadAttention(need_weights=False)", layout=_nn_mha_forward),
-        _kernel_implementation("flex_attention", "FlexAttention with a causal block mask (fused when compiled)",
-                               flex_attention, supports_dropout=False),
-        _kernel_implementation("flash_attention_2", "flash-attn's flash_attn_func (CUDA, fp16/bf16)",
-                               flash_attn_attention),
-        _kernel_implementation("flash_torch", "FlashAttention from scratch in PyTorch: tiles, online softmax",
-                               flash_torch_attention, supports_dropout=False),
-        _kernel_implementation("flash_triton", "FlashAttention from scratch in Triton", flash_triton_attention,
-                               supports_dropout=False),
-    )
-}
+def register(backend: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Class decorator: add one instance of `backend` to IMPLEMENTATIONS under its name."""
+    if not backend.name or (backend.kernel is None) == (backend.layout is None):
+        raise TypeError(f"{backend.__name__} needs a name and exactly one of `kernel` and `layout`")
+    IMPLEMENTATIONS[backend.name] = backend()
+    return backend
+
+
+def kernel_names() -> list[str]:
+    return [name for name, backend in IMPLEMENTATIONS.items() if backend.kernel is not None]
+
+
+@register
+class Wrapper(AttentionBackend):
+    name, description = "wrapper", "single-head causal attentions in a loop, concatenated"
+    layout = staticmethod(_wrapper_forward)
+
+
+@register
+class Stacked(AttentionBackend):
+    name, description = "stacked", "separate Q, K, V projections; heads via view/transpose"
+    layout = staticmethod(_stacked_forward)
+
+
+@register
+class Eager(AttentionBackend):
+    name, description = "eager", "fused QKV projection (GPT-2's c_attn), explicit softmax(QK^T)V"
+    kernel = staticmethod(eager_attention)
+    masked, transformers_name = True, "eager"
+
+
+@register
+class Einsum(AttentionBackend):
+    name, description = "einsum", "every contraction as torch.einsum"
+    layout = staticmethod(_einsum_forward)
+
+
+@register
+class SDPA(AttentionBackend):
+    name, description = "sdpa", "F.scaled_dot_product_attention(is_causal=True)"
+    kernel = staticmethod(sdpa_attention)
+    masked, transformers_name = True, "sdpa"
+
+
+@register
+class SDPAMask(AttentionBackend):
+    name, description = "sdpa_mask", "F.scaled_dot_product_attention with an explicit boolean mask"
+    kernel = staticmethod(sdpa_masked_attention)
+    masked = True
+
+
+@register
+class NNMultiheadAttention(AttentionBackend):
+    name, description = "nn_mha", "torch.nn.MultiheadAttention(need_weights=False)"
+    layout = staticmethod(_nn_mha_forward)
+
+    def limits(self, call: AttentionCall) -> str | None:
+        if call.reshapes:
+            return "nn.MultiheadAttention projects queries within embed_dim, so it needs d_in == d_model"
+        return None
+
+
+@register
+class FlexAttention(AttentionBackend):
+    name, description = "flex_attention", "FlexAttention with a causal block mask (fused when compiled)"
+    kernel = staticmethod(flex_attention)
+    supports_dropout = False
+
+    def limits(self, call: AttentionCall) -> str | None:
+        if call.device.type not in ("cpu", "cuda"):
+            return f"FlexAttention does not run on {call.device.type}"
+        if call.backward and call.device.type == "cpu":
+            return "FlexAttention has no backward pass on CPU (PyTorch raises NotImplementedError)"
+        return None
+
+
+@register
+class FlashAttention2(AttentionBackend):
+    name, description = "flash_attention_2", "flash-attn's flash_attn_func (CUDA, fp16/bf16)"
+    kernel = staticmethod(flash_attn_attention)
+    transformers_name = "flash_attention_2"
+
+    def limits(self, call: AttentionCall) -> str | None:
+        if version_of("flash_attn") is None:
+            return "flash-attn is not installed (CUDA GPUs with compute capability 8.0+ only)"
+        if call.device.type != "cuda":
+            return "flash-attn runs on CUDA GPUs only"
+        if torch.cuda.get_device_capability(call.device) < (8, 0):
+            return "flash-attn needs compute capability 8.0+ (Ampere or newer)"
+        if call.dtype not in (torch.float16, torch.bfloat16):
+            return f"flash-attn supports float16 and bfloat16, not {dtype_name(call.dtype)}"
+        return None
+
+
+@register
+class FlashTorch(AttentionBackend):
+    name, description = "flash_torch", "FlashAttention from scratch in PyTorch: tiles, online softmax"
+    kernel = staticmethod(flash_torch_attention)
+    supports_dropout = False
+
+
+@register
+class FlashTriton(AttentionBackend):
+    name, description = "flash_triton", "FlashAttention from scratch in Triton"
+    kernel = staticmethod(flash_triton_attention)
+    supports_dropout = False
+
+    def limits(self, call: AttentionCall) -> str | None:
+        from .flash_triton import triton_unavailable_reason
+
+        return triton_unavailable_reason(call.device, call.dtype)
 
 
 def check_attn_implementation(name: str) -> str:
@@ -274,58 +424,9 @@ def check_attn_implementation(name: str) -> str:
     return name
 
 
-def unavailable_reason(
-    name: str,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    d_in: int | None = None,
-    d_model: int | None = None,
-    backward: bool = False,
-    dropout: float = 0.0,
-    cached: bool = False,
-    sharded: bool = False,
-    modern: bool = False,
-) -> str | None:
-    """Why `name` cannot run in this setting, or None when it can. `cached`: attention over a KV cache; `sharded`:
-    in a tensor-parallel model, whose projection layers are swapped for sharded ones; `modern`: attention with GQA,
-    RoPE, QK-norm or a head width other than d_model / n_heads (chapter 8)."""
-    impl = IMPLEMENTATIONS[check_attn_implementation(name)]
-    device = torch.device(device)
-    if modern and impl.kernel is None:
-        kernels = ", ".join(n for n, i in IMPLEMENTATIONS.items() if i.kernel is not None)
-        return (f"{name} writes out GPT-2's attention from the weight matrices, without GQA, RoPE or QK-norm: use "
-                f"one of {kernels}")
-    if sharded and impl.kernel is None:
-        kernels = ", ".join(n for n, i in IMPLEMENTATIONS.items() if i.kernel is not None)
-        return (f"{name} computes its projections from the full weight matrices itself, but tensor parallelism "
-                f"swaps the model's projection layers for sharded ones: use one of {kernels}")
-    if cached and not impl.masked:
-        masked = ", ".join(n for n, i in IMPLEMENTATIONS.items() if i.masked)
-        return (f"{name} computes causal attention over a square score matrix only, and a KV cache needs new "
-                f"queries against every cached key (an explicit mask): use one of {masked}")
-    if dropout > 0.0 and not impl.supports_dropout:
-        return f"{name} has no attention dropout: use dropout=0.0, or 'sdpa'"
-    if name == "nn_mha" and d_in is not None and d_in != d_model:
-        return "nn.MultiheadAttention projects queries within embed_dim, so it needs d_in == d_model"
-    if name == "flex_attention":
-        if device.type not in ("cpu", "cuda"):
-            return f"FlexAttention does not run on {device.type}"
-        if backward and device.type == "cpu":
-            return "FlexAttention has no backward pass on CPU (PyTorch raises NotImplementedError)"
-    if name == "flash_attention_2":
-        if version_of("flash_attn") is None:
-            return "flash-attn is not installed (CUDA GPUs with compute capability 8.0+ only)"
-        if device.type != "cuda":
-            return "flash-attn runs on CUDA GPUs only"
-        if torch.cuda.get_device_capability(device) < (8, 0):
-            return "flash-attn needs compute capability 8.0+ (Ampere or newer)"
-        if dtype not in (torch.float16, torch.bfloat16):
-            return f"flash-attn supports float16 and bfloat16, not {dtype_name(dtype)}"
-    if name == "flash_triton":
-        from .flash_triton import triton_unavailable_reason
-
-        return triton_unavailable_reason(device, dtype)
-    return None
+def unavailable_reason(name: str, call: AttentionCall) -> str | None:
+    """Why the backend called `name` cannot serve `call`, or None when it can (its own answer, looked up by name)."""
+    return IMPLEMENTATIONS[check_attn_implementation(name)].unavailable_reason(call)
 
 
 class KVCacheView(Protocol):
@@ -408,17 +509,14 @@ class CausalSelfAttention(nn.Module):
         """x (batch, seq, d_in) -> (batch, seq, d_model). With a `cache`, the new keys and values are stored in it and
         the queries attend over everything it holds (`cache.attend`), through this module's kernel. `rope`: the cos
         and sin of the input's positions (`helpers.model.rope.rope_angles`), for RoPE models."""
-        name = self.attn_implementation
         dropout_p = self.attn_dropout if self.training else 0.0
         backward = torch.is_grad_enabled() and (x.requires_grad or self.qkv.weight.requires_grad)
         # (autocast has no meta device: a memory plan, helpers.measure.memory_plan, replays the model there)
         autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
-        reason = unavailable_reason(name, x.device, dtype, self.d_in, self.d_model, backward, dropout_p,
-                                    cached=cache is not None, modern=rope is not None or not self.is_gpt2)
-        if reason is not None:
-            raise RuntimeError(f"attn_implementation={name!r} cannot run here: {reason}")
-        impl = IMPLEMENTATIONS[name]
+        impl = IMPLEMENTATIONS[self.attn_implementation]
+        impl.check(AttentionCall(x.device, dtype, backward, dropout_p, cached=cache is not None,
+                                 modern=rope is not None or not self.is_gpt2, reshapes=self.d_in != self.d_model))
         if impl.layout is not None:
             return self.resid_dropout(impl.layout(self, x, dropout_p))
         q, k, v = self.project(x, rope)

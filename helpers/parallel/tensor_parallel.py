@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.attention import unavailable_reason
+from ..model.attention import AttentionCall, unavailable_reason
 from ..model.gpt import GPT, SwiGLUFeedForward
 from .comm import CommLog, tensor_bytes
 
@@ -143,7 +143,7 @@ def check_tensor_parallel(gpt: GPT, world_size: int) -> None:
     if gpt.config.dropout:
         raise ValueError("build the GPT with dropout=0.0 for tensor parallelism (each rank would need the same "
                          "random mask for the replicated parts)")
-    reason = unavailable_reason(gpt.attn_implementation, "cpu", torch.float32, sharded=True)
+    reason = unavailable_reason(gpt.attn_implementation, AttentionCall("cpu", torch.float32, sharded=True))
     if reason is not None:
         raise ValueError(f"attn_implementation={gpt.attn_implementation!r}: {reason}")
 
