@@ -1,7 +1,6 @@
 """Chapter 7's parallel training, run for real: each script is launched with torchrun on 2 CPU processes (gloo) and
 compared with the single-process GPT (which the scripts compute on rank 0, or every rank for its own shard)."""
 
-import json
 import os
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
 from helpers.parallel.comm import ring_all_reduce_bytes
-from helpers.parallel.launch import DistributedRunError, first_traceback, launch
+from helpers.parallel.launch import DistributedRunError, first_traceback, launch, run_for_result
 from helpers.parallel.pipeline import bubble_fraction, pipeline_stage, stage_layers
 from helpers.parallel.runtime import pick_device_type
 from helpers.parallel.tensor_parallel import shard_rows, tensor_parallel_gpt
@@ -27,10 +26,9 @@ TOL64 = 1e-10
 WORLD = 2
 
 
-def run_script(torchrun, tmp_path_factory, name: str, *args: str) -> dict:
-    out = tmp_path_factory.mktemp(name) / "result.json"
-    torchrun(CH07 / f"{name}.py", ["--out", out, *TINY, *args], nproc=WORLD, timeout=240)
-    return json.loads(out.read_text())
+def run_script(torchrun, name: str, *args: str) -> dict:
+    """`torchrun` (the fixture) marks the test distributed; run_for_result launches the same way."""
+    return run_for_result(CH07 / f"{name}.py", [*TINY, *args], nproc=WORLD, timeout=240)
 
 
 def model_of(result: dict) -> GPT:
@@ -52,8 +50,8 @@ def close(measured: int, expected: float, rel: float = 0.02) -> bool:
 
 
 @pytest.fixture(scope="module")
-def ddp(torchrun, tmp_path_factory):
-    return run_script(torchrun, tmp_path_factory, "ddp", "--steps", "3", "--accumulation", "2", "--dtype", "float64")
+def ddp(torchrun):
+    return run_script(torchrun, "ddp", "--steps", "3", "--accumulation", "2", "--dtype", "float64")
 
 
 @pytest.mark.parametrize("variant", ["ddp", "ddp_ring", "accum_no_sync", "accum_sync_every_micro", "ddp_adamw"])
@@ -87,8 +85,8 @@ def test_ddp_sends_the_ring_all_reduce_volume(ddp):
 
 
 @pytest.fixture(scope="module")
-def tp(torchrun, tmp_path_factory):
-    return run_script(torchrun, tmp_path_factory, "tensor_parallel", "--batch", "4")
+def tp(torchrun):
+    return run_script(torchrun, "tensor_parallel", "--batch", "4")
 
 
 @pytest.mark.parametrize("variant", ["from_scratch", "dtensor"])
@@ -123,8 +121,8 @@ def test_tensor_parallel_splits_each_layer_while_ddp_replicates_it(tp):
 
 
 @pytest.fixture(scope="module")
-def pp(torchrun, tmp_path_factory):
-    return run_script(torchrun, tmp_path_factory, "pipeline_parallel", "--batch", "4", "--micro", "2",
+def pp(torchrun):
+    return run_script(torchrun, "pipeline_parallel", "--batch", "4", "--micro", "2",
                       "--bubble-micro", "2", "--repeats", "1")
 
 
@@ -163,8 +161,8 @@ def test_gpipe_timeline_runs_all_forwards_then_backwards_in_dependency_order(pp)
 
 
 @pytest.fixture(scope="module")
-def fsdp(torchrun, tmp_path_factory):
-    return run_script(torchrun, tmp_path_factory, "fsdp", "--strategy", "fsdp", "--steps", "3", "--dtype", "float64")
+def fsdp(torchrun):
+    return run_script(torchrun, "fsdp", "--strategy", "fsdp", "--steps", "3", "--dtype", "float64")
 
 
 def test_fsdp_equals_single_process_training(fsdp):
@@ -181,6 +179,18 @@ def test_fsdp_holds_half_the_training_state_of_ddp(fsdp):
 
 
 # ---- the launcher ----
+
+
+def test_run_for_result_shows_the_command_and_returns_what_rank_0_wrote(torchrun, tmp_path, capsys):
+    script = tmp_path / "writes.py"
+    script.write_text("import json, os, sys\nout = sys.argv[sys.argv.index('--out') + 1]\n"
+                      "if os.environ['RANK'] == '0':\n    open(out, 'w').write(json.dumps({'argv': sys.argv[1:]}))\n")
+    result = run_for_result(script, ["--steps", 3], nproc=WORLD, timeout=60, show=True)
+    assert result["argv"][:2] == ["--out", result["argv"][1]] and result["argv"][2:] == ["--steps", "3"]
+    assert not Path(result["argv"][1]).exists()  # read, then removed with its folder
+    shown = capsys.readouterr().out
+    assert shown.startswith("python -m torch.distributed.run") and shown.rstrip().endswith(
+        "writes.py --steps 3 --out RESULT.json") and str(tmp_path) not in shown
 
 
 def test_launch_reports_the_failing_ranks_error(torchrun, tmp_path):

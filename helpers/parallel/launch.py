@@ -1,17 +1,20 @@
 """Launching multi-process runs: torchrun as a subprocess, with a timeout and the stacks of a hung run.
 
-`launch` runs a script under `torchrun` (`python -m torch.distributed.run --standalone`); a rank that fails or
-a run that hangs (a rank waiting in a collective its peers never join) ends in a `DistributedRunError` that
-carries the output, and every process of the run is killed.
+`launch` runs a script under `torchrun` (`python -m torch.distributed.run --standalone`), `run_for_result` also
+reads back the JSON result the script writes (`--out`); a rank that fails or a run that hangs (a rank waiting in a
+collective its peers never join) ends in a `DistributedRunError` that carries the output, and every process of the
+run is killed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -184,6 +187,19 @@ def launch(script: str | Path, args: Sequence[object] = (), nproc: int = 2, time
             f"traceback:\n{first_traceback(output)}"
         )
     return output
+
+
+def run_for_result(script: str | Path, args: Sequence[object] = (), nproc: int = 2, timeout: float = 300,
+                   env: dict[str, str] | None = None, show: bool = False) -> dict:
+    """Run `script` under torchrun with `--out FILE` added and return the JSON result it writes there (the file lives
+    in a temporary folder, removed once read). `show`: first print the command as one types it in the script's
+    folder, RESULT.json standing for the file (whose local path is never printed)."""
+    if show:
+        print("python", *torchrun_command(Path(script).name, args, nproc)[1:], "--out RESULT.json")
+    with tempfile.TemporaryDirectory(prefix="torchrun_") as folder:
+        out = Path(folder) / "result.json"
+        launch(script, ["--out", out, *args], nproc=nproc, timeout=timeout, env=env)
+        return json.loads(out.read_text())
 
 
 def chapter_script(name: str, chapter: str = "ch07_parallel") -> Path:
