@@ -1,0 +1,345 @@
+"""Draw the course's diagrams into figures/ and embed each one in the notebooks that show it.
+
+    python figures/draw.py           # redraw every figure and refresh the notebooks' copies
+    python figures/draw.py --check   # exit 1 if a notebook's copy differs from the committed figure
+
+A notebook shows a figure as a markdown image, `![...](attachment:NAME.png)`, with the PNG stored in the cell
+(nbformat's cell attachments): it travels with the notebook, so it shows offline in JupyterLab, on GitHub and on
+Colab alike. The drawings are matplotlib, fixed in size and free of version metadata, so a redraw with the same
+matplotlib gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DPI = 100
+BLUE, ORANGE, GREEN, RED, PURPLE, GREY = "#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#BBBBBB"
+HEADS = (BLUE, ORANGE, GREEN)
+
+
+def _canvas(width: float, height: float, xlim: tuple[float, float], ylim: tuple[float, float]):
+    fig, ax = plt.subplots(figsize=(width, height), dpi=DPI)
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    return fig, ax
+
+
+def _box(ax, x, y, w, h, text="", color="white", edge="black", fontsize=9, text_color="black", **kwargs):
+    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.08", facecolor=color,
+                                edgecolor=edge, lw=1.2, **kwargs))
+    if text:
+        ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize, color=text_color)
+
+
+def _arrow(ax, start, end, color="black", style="-|>", **kwargs):
+    ax.add_patch(FancyArrowPatch(start, end, arrowstyle=style, mutation_scale=12, color=color, lw=1.2,
+                                 shrinkA=0, shrinkB=0, **kwargs))
+
+
+def causal_mask():
+    """Scores above the diagonal set to -inf before the softmax: token t attends to tokens <= t only."""
+    tokens = ["the", "model", "reads", "one", "token", "ahead"]
+    n = len(tokens)
+    fig, axes = plt.subplots(1, 2, figsize=(9.6, 4.4), dpi=DPI)
+    for ax, title in zip(axes, ("scores q·k after the mask", "attention weights = softmax(row)"), strict=True):
+        for i in range(n):  # row i: the query at position i
+            for j in range(n):  # column j: the key at position j
+                future = j > i
+                ax.add_patch(Rectangle((j, n - 1 - i), 1, 1, facecolor="#EEEEEE" if future else "#CFE0F3",
+                                       edgecolor="white", lw=2))
+                if ax is axes[0]:
+                    text = "−∞" if future else f"s{i + 1}{j + 1}"
+                else:
+                    text = "0" if future else f"1/{i + 1}"
+                ax.text(j + 0.5, n - 0.5 - i, text, ha="center", va="center", fontsize=9,
+                        color="#999999" if future else "black")
+        ax.set_xlim(0, n)
+        ax.set_ylim(0, n)
+        ax.set_aspect("equal")
+        ax.set_xticks([j + 0.5 for j in range(n)], tokens, rotation=45, fontsize=9)
+        ax.set_yticks([n - 0.5 - i for i in range(n)], tokens, fontsize=9)
+        ax.tick_params(length=0)
+        ax.xaxis.tick_top()
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+        ax.set_title(title, fontsize=10, pad=42)
+    axes[0].set_ylabel("query (the token that looks)", fontsize=9)
+    axes[1].set_xlabel("key (the token looked at); equal scores give each row 1/(t+1)", fontsize=9)
+    fig.suptitle("Causal mask: each row attends only to its own and earlier tokens", fontsize=11, y=0.98)
+    fig.tight_layout()
+    return fig
+
+
+def multi_head_split():
+    """One projection, split into heads along the feature axis; each head attends on its own; concatenate, mix."""
+    fig, ax = _canvas(11.0, 4.2, (0, 22.4), (-0.8, 7.8))
+    T, cell = 4, 0.55
+    ax.add_patch(Rectangle((0.3, 1.8), 6 * cell, T * cell, facecolor=GREY, edgecolor="black"))
+    ax.text(0.3 + 3 * cell, 1.8 + T * cell + 0.3, "x  (T × d_model)", ha="center", fontsize=9)
+    _arrow(ax, (3.8, 2.9), (5.0, 2.9))
+    ax.text(4.4, 3.25, "W_q", ha="center", fontsize=8)
+    for h, color in enumerate(HEADS):  # q: the same shape, its columns coloured by the head that owns them
+        ax.add_patch(Rectangle((5.1 + 2 * h * cell, 1.8), 2 * cell, T * cell, facecolor=color, edgecolor="black"))
+    ax.text(5.1 + 3 * cell, 1.8 + T * cell + 0.3, "q  (T × d_model)", ha="center", fontsize=9)
+    ax.text(5.1 + 3 * cell, 1.5, "its columns split\ninto h heads", ha="center", va="top", fontsize=8)
+    for h, color in enumerate(HEADS):  # per head: (T x d_head) -> attention -> (T x d_head)
+        y = 5.7 - h * 2.3
+        _arrow(ax, (8.6, 2.9), (9.6, y + 0.65), color=color)
+        ax.add_patch(Rectangle((9.7, y), 2 * cell, 1.3, facecolor=color, edgecolor="black"))
+        _box(ax, 11.2, y, 4.0, 1.3, f"head {h + 1}, causal:\nsoftmax(qkᵀ/√d_head)·v", color="white", fontsize=8)
+        _arrow(ax, (15.3, y + 0.65), (16.1, 2.9), color=color)
+    ax.text(10.25, 7.25, "T × d_head", ha="center", fontsize=8)
+    for h, color in enumerate(HEADS):
+        ax.add_patch(Rectangle((16.2 + 2 * h * cell, 1.8), 2 * cell, T * cell, facecolor=color, edgecolor="black",
+                               alpha=0.75))
+    ax.text(16.2 + 3 * cell, 1.8 + T * cell + 0.3, "heads concatenated", ha="center", fontsize=9)
+    _arrow(ax, (19.6, 2.9), (20.4, 2.9))
+    ax.text(20.0, 3.25, "W_o", ha="center", fontsize=8)
+    ax.add_patch(Rectangle((20.5, 1.8), 1.6, T * cell, facecolor=PURPLE, edgecolor="black"))
+    ax.text(21.3, 1.8 + T * cell + 0.3, "out", ha="center", fontsize=9)
+    ax.text(11.2, -0.6, "k and v are split the same way; the heads differ only in which columns of the projections "
+            "they own. In code: view (B, T, h, d_head), then transpose to (B, h, T, d_head).", ha="center",
+            fontsize=8)
+    return fig
+
+
+def transformer_block():
+    """GPT-2's pre-LayerNorm block: two sub-layers, each added back onto the residual stream."""
+    fig, ax = _canvas(5.6, 7.4, (0, 8), (0, 10.6))
+    x0, w = 1.6, 4.2
+    mid = x0 + w / 2
+    rows = [  # (y, label, colour)
+        (0.2, "x  (batch, T, d_model)", "white"),
+        (1.5, "LayerNorm", "#E8E8E8"),
+        (2.7, "causal multi-head attention", "#CFE0F3"),
+        (3.9, "dropout", "#F3F3F3"),
+        (5.8, "LayerNorm", "#E8E8E8"),
+        (7.0, "MLP: d→4d, GELU, 4d→d", "#F6D9C4"),
+        (8.2, "dropout", "#F3F3F3"),
+        (9.8, "out  (batch, T, d_model)", "white"),
+    ]
+    for y, label, color in rows:
+        _box(ax, x0, y, w, 0.7, label, color=color, fontsize=9)
+    for (y, _, _), (y_next, _, _) in zip(rows, rows[1:], strict=False):
+        if (y, y_next) not in ((3.9, 5.8), (8.2, 9.8)):  # those two pass through an addition
+            _arrow(ax, (mid, y + 0.7), (mid, y_next))
+    # each addition: (y of the +, top of the dropout below it, the box above it, the side its residual runs on)
+    for y_add, below, above, side in ((5.15, 4.6, 5.8, 1), (9.25, 8.9, 9.8, -1)):
+        ax.add_patch(plt.Circle((mid, y_add), 0.25, facecolor="white", edgecolor="black", lw=1.2))
+        ax.text(mid, y_add, "+", ha="center", va="center", fontsize=11)
+        _arrow(ax, (mid, below), (mid, y_add - 0.25))
+        _arrow(ax, (mid, y_add + 0.25), (mid, above))
+        lane = mid + side * (w / 2 + 0.8)
+        leaves = 0.55 if side == 1 else 5.55  # from the input, or from the stream after the first addition
+        ax.plot([mid + side * (w / 2 if side == 1 else 0), lane, lane], [leaves, leaves, y_add], color=GREEN, lw=1.6)
+        _arrow(ax, (lane, y_add), (mid + side * 0.25, y_add), color=GREEN)
+        ax.text(lane + side * 0.15, (leaves + y_add) / 2, "residual", rotation=90, va="center", fontsize=8,
+                color=GREEN, ha="left" if side == 1 else "right")
+    ax.set_title("A GPT-2 transformer block (pre-LayerNorm),\nstacked n_layers times", fontsize=11)
+    return fig
+
+
+def gradient_accumulation():
+    """N micro-batches add their gradients into .grad; one optimizer step follows, then zero_grad."""
+    fig, ax = _canvas(10.5, 3.1, (0, 21), (0.4, 6.8))
+    ax.text(0.1, 6.2, "one batch of B sequences:", fontsize=9, va="center")
+    _box(ax, 5.2, 5.7, 8.0, 0.9, "forward + backward on all B at once: peak memory ∝ B", color="#CFE0F3",
+         fontsize=8)
+    _arrow(ax, (13.3, 6.15), (14.1, 6.15))
+    _box(ax, 14.2, 5.7, 3.0, 0.9, "optimizer.step()", color="#D5ECD9", fontsize=9)
+    _arrow(ax, (17.3, 6.15), (18.1, 6.15))
+    _box(ax, 18.2, 5.7, 2.6, 0.9, "zero_grad()", color="#EEEEEE", fontsize=9)
+    ax.text(0.1, 4.1, "N = 4 micro-batches\nof B / 4 each:", fontsize=9, va="center")
+    for i in range(4):
+        x = 5.2 + i * 2.0
+        _box(ax, x, 3.6, 1.8, 0.9, f"fwd + bwd\n{i + 1}/4", color="#CFE0F3", fontsize=8)
+        ax.add_patch(Rectangle((x + 0.3, 1.2), 1.2, 0.35 * (i + 1), facecolor=ORANGE, edgecolor="black"))
+        _arrow(ax, (x + 0.9, 3.55), (x + 0.9, 1.3 + 0.35 * (i + 1)), color=ORANGE)
+    ax.text(9.2, 0.7, ".grad after each micro-batch: the sums grow, nothing is stepped", ha="center", fontsize=8)
+    _arrow(ax, (13.3, 4.05), (14.1, 4.05))
+    _box(ax, 14.2, 3.6, 3.0, 0.9, "optimizer.step()", color="#D5ECD9", fontsize=9)
+    _arrow(ax, (17.3, 4.05), (18.1, 4.05))
+    _box(ax, 18.2, 3.6, 2.6, 0.9, "zero_grad()", color="#EEEEEE", fontsize=9)
+    ax.text(17.3, 2.2, "each micro-batch's loss is divided by\nthe step's total number of targets, so the\n"
+            "summed gradient equals the full batch's;\npeak memory ∝ B / 4", ha="center", va="center", fontsize=8)
+    return fig
+
+
+def kv_cache():
+    """Decoding step t: without a cache all t positions run again; with one, only the new token does."""
+    fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.0), dpi=DPI)
+    t = 6
+    for ax, cached in zip(axes, (False, True), strict=True):
+        ax.set_xlim(0, 10)
+        ax.set_ylim(0, 8)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        for i in range(t):  # the model's input rows this step
+            y = 6.6 - i * 0.9
+            new = i == t - 1
+            runs = new or not cached
+            ax.add_patch(Rectangle((0.3, y), 1.6, 0.7, facecolor=ORANGE if new else ("#CFE0F3" if runs else "white"),
+                                   edgecolor="black" if runs else GREY, ls="-" if runs else ":"))
+            ax.text(1.1, y + 0.35, f"token {i + 1}", ha="center", va="center", fontsize=8,
+                    color="black" if runs else "#999999")
+            for col, name in ((4.6, "k"), (6.6, "v")):
+                ax.add_patch(Rectangle((col, y), 1.6, 0.7,
+                                       facecolor=ORANGE if new else (GREEN if cached else "#CFE0F3"),
+                                       edgecolor="black", alpha=1.0 if new or cached else 0.9))
+                ax.text(col + 0.8, y + 0.35, f"{name}{i + 1}" + (" (cached)" if cached and not new else ""),
+                        ha="center", va="center", fontsize=7)
+        ax.text(1.1, 7.55, "model input", ha="center", fontsize=9)
+        ax.text(6.4, 7.55, "keys and values", ha="center", fontsize=9)
+        _arrow(ax, (2.0, 6.6 - (t - 1) * 0.9 + 0.35), (4.5, 6.6 - (t - 1) * 0.9 + 0.35), color=ORANGE)
+        if cached:
+            ax.text(5.0, 0.35, "step t runs 1 token: its q attends to the cached k, v\nand its own (appended); work "
+                    "per step ∝ 1 (attention ∝ t)", ha="center", fontsize=8)
+            ax.set_title("with a KV cache", fontsize=10)
+        else:
+            ax.text(5.0, 0.35, "step t runs all t tokens again and keeps only the last\nlogits: work per step ∝ t, "
+                    "for n tokens ∝ n²", ha="center", fontsize=8)
+            ax.set_title("without a cache", fontsize=10)
+    fig.suptitle("Generating the next token at step t = 6: orange is computed for the new token, blue computed "
+                 "again, green read from the cache", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def paged_blocks():
+    """Each sequence's tokens live in fixed-size blocks anywhere in one pool; a block table maps them."""
+    fig, ax = _canvas(10.5, 4.2, (0, 21), (0, 8.4))
+    size = 4  # tokens per block
+    sequences = {"A": (BLUE, 10, [6, 1, 3]), "B": (ORANGE, 6, [0, 8])}  # colour, tokens, physical blocks
+    ax.text(2.6, 7.9, "tokens of each sequence\n(logical blocks of 4)", ha="center", va="center", fontsize=9)
+    ax.text(9.3, 7.9, "block tables", ha="center", va="center", fontsize=9)
+    ax.text(16.2, 7.9, "one pool of physical blocks", ha="center", va="center", fontsize=9)
+    pool_y = {b: 6.6 - b * 0.62 for b in range(10)}
+    for b, y in pool_y.items():
+        ax.add_patch(Rectangle((14.4, y), 3.6, 0.5, facecolor="white", edgecolor=GREY))
+        ax.text(14.1, y + 0.25, str(b), ha="right", va="center", fontsize=8)
+    row_y = {"A": 5.6, "B": 2.8}
+    for name, (color, n_tokens, table) in sequences.items():
+        y0 = row_y[name]
+        ax.text(0.2, y0 + 0.3, name, fontsize=11, weight="bold", va="center", color=color)
+        for logical, physical in enumerate(table):
+            used = min(size, n_tokens - logical * size)
+            for s in range(size):
+                ax.add_patch(Rectangle((0.8 + logical * 1.9 + s * 0.45, y0), 0.45, 0.6,
+                                       facecolor=color if s < used else "white", edgecolor="black", lw=0.8))
+            ax.add_patch(Rectangle((14.4, pool_y[physical]), 3.6 * used / size, 0.5, facecolor=color,
+                                   edgecolor="black"))
+            ax.text(18.1, pool_y[physical] + 0.25, f"{name} block {logical}", fontsize=7, va="center")
+        ax.text(9.3, y0 + 0.3, f"{name}: [{', '.join(map(str, table))}]", ha="center", va="center", fontsize=9,
+                bbox=dict(boxstyle="round", facecolor="white", edgecolor=color))
+        _arrow(ax, (0.8 + len(table) * 1.9 + 0.2, y0 + 0.3), (7.9, y0 + 0.3), color=color)
+        for physical in table:
+            _arrow(ax, (10.8, y0 + 0.3), (14.35, pool_y[physical] + 0.25), color=color, alpha=0.6)
+    free = [b for b in pool_y if all(b not in t for _, _, t in sequences.values())]
+    ax.text(16.2, 0.1, f"free list: {free}", ha="center", fontsize=8)
+    ax.text(5.0, 0.9, "a sequence wastes at most its last block's empty slots;\nfinished sequences return "
+            "their blocks to the free list", ha="center", fontsize=8)
+    return fig
+
+
+FIGURES: dict[str, Callable[[], plt.Figure]] = {
+    "causal_mask": causal_mask,
+    "multi_head_split": multi_head_split,
+    "transformer_block": transformer_block,
+    "gradient_accumulation": gradient_accumulation,
+    "kv_cache": kv_cache,
+    "paged_blocks": paged_blocks,
+}
+ATTACHMENT = re.compile(r"!\[[^\]]*\]\(attachment:([\w-]+)\.png\)")
+
+
+def render(name: str) -> bytes:
+    """The PNG bytes of figure `name` (no version metadata: the same matplotlib draws the same bytes)."""
+    fig = FIGURES[name]()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None}, facecolor="white")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def notebooks() -> list[Path]:
+    return sorted(ROOT.glob("ch*/*.ipynb"))
+
+
+def shown_figures(path: Path) -> dict[int, list[str]]:
+    """{markdown cell index: the figures it shows as attachments} of one notebook."""
+    cells = json.loads(path.read_text())["cells"]
+    return {i: ATTACHMENT.findall("".join(c["source"])) for i, c in enumerate(cells)
+            if c["cell_type"] == "markdown" and ATTACHMENT.search("".join(c["source"]))}
+
+
+def embed(path: Path, figures_dir: Path | None = None) -> bool:
+    """Store each figure a markdown cell of `path` shows as that cell's attachment; True when the file changed."""
+    figures_dir = figures_dir or HERE
+    text = path.read_text()
+    nb = json.loads(text)
+    for index, names in shown_figures(path).items():
+        unknown = [n for n in names if not (figures_dir / f"{n}.png").is_file()]
+        if unknown:
+            raise SystemExit(f"{path.name}, cell {index}: no figure {unknown} in {figures_dir.name}/; "
+                             f"draw it first (known: {', '.join(FIGURES)})")
+        attachments = {f"{n}.png": {"image/png": base64.b64encode((figures_dir / f"{n}.png").read_bytes()).decode()}
+                       for n in names}
+        # keys in nbformat's (sorted) order, as a recording writes them
+        nb["cells"][index] = dict(sorted({**nb["cells"][index], "attachments": attachments}.items()))
+    indent = 1 if text.startswith('{\n "') else 2
+    new = json.dumps(nb, indent=indent, ensure_ascii=False) + "\n"
+    if new != text:
+        tmp = path.with_suffix(".ipynb.tmp")
+        tmp.write_text(new)
+        tmp.replace(path)
+    return new != text
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only check that the notebooks' copies are current")
+    args = parser.parse_args(argv)
+    if not args.check:
+        for name in FIGURES:
+            (HERE / f"{name}.png").write_bytes(render(name))
+            print(f"drew figures/{name}.png")
+    stale = []
+    for path in notebooks():
+        if not shown_figures(path):
+            continue
+        if args.check:
+            nb = json.loads(path.read_text())
+            for index, names in shown_figures(path).items():
+                held = nb["cells"][index].get("attachments", {})
+                for n in names:
+                    committed = base64.b64encode((HERE / f"{n}.png").read_bytes()).decode()
+                    if held.get(f"{n}.png", {}).get("image/png") != committed:
+                        stale.append(f"{path.relative_to(ROOT)}: {n}.png")
+        elif embed(path):
+            print(f"embedded figures in {path.relative_to(ROOT)}")
+    if stale:
+        print("stale or missing figures (run python figures/draw.py):\n  " + "\n  ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

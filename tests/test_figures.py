@@ -1,0 +1,61 @@
+"""The diagrams: drawn by figures/draw.py, committed, and embedded where the notebooks show them."""
+
+import importlib.util
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_draw():
+    spec = importlib.util.spec_from_file_location("draw", ROOT / "figures" / "draw.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])  # IHDR: width, height
+
+
+def test_every_figure_is_committed_shown_by_a_notebook_and_its_copy_is_current(capsys):
+    draw = load_draw()
+    shown = {n for path in draw.notebooks() for names in draw.shown_figures(path).values() for n in names}
+    assert len(draw.FIGURES) >= 6
+    assert shown == set(draw.FIGURES), "a figure no notebook shows, or a notebook showing a figure not drawn"
+    assert all((draw.HERE / f"{name}.png").is_file() for name in draw.FIGURES)
+    assert draw.main(["--check"]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", list(load_draw().FIGURES))
+def test_the_script_draws_each_committed_figure_at_its_size_with_no_version_stamp(name):
+    draw = load_draw()
+    drawn = draw.render(name)
+    assert png_size(drawn) == png_size((draw.HERE / f"{name}.png").read_bytes())
+    assert b"matplotlib" not in drawn.lower()  # no Software metadata: a redraw changes only what is drawn
+    assert draw.render(name) == drawn
+
+
+def test_a_stale_copy_fails_the_check_and_an_unknown_figure_is_refused(tmp_path, monkeypatch, capsys):
+    draw = load_draw()
+    chapter = tmp_path / "ch09_test"
+    chapter.mkdir()
+    figures = tmp_path / "figures"
+    figures.mkdir()
+    (figures / "kv_cache.png").write_bytes(draw.render("kv_cache"))
+    cell = {"cell_type": "markdown", "id": "a", "metadata": {}, "source": ["see ![the cache](attachment:kv_cache.png)"]}
+    notebook = chapter / "01.ipynb"
+    notebook.write_text(json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    monkeypatch.setattr(draw, "ROOT", tmp_path)
+    monkeypatch.setattr(draw, "HERE", figures)
+    assert draw.main(["--check"]) == 1 and "ch09_test/01.ipynb: kv_cache.png" in capsys.readouterr().err
+    assert draw.embed(notebook, figures) and not draw.embed(notebook, figures)  # written once, then unchanged
+    assert draw.main(["--check"]) == 0
+    cell["source"] = ["![a](attachment:no_such_figure.png)"]
+    notebook.write_text(json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    with pytest.raises(SystemExit, match="no figure \\['no_such_figure'\\]"):
+        draw.embed(notebook, figures)
