@@ -68,6 +68,40 @@ def test_under_bf16_autocast_it_matches_the_plain_head_within_bf16_rounding():
         assert (ours - plain).norm() <= 1e-2 * plain.norm()
 
 
+def test_under_fp16_autocast_and_a_loss_scale_small_probabilities_keep_their_gradient():
+    """fp16 + GradScaler: the backward runs on loss x scale so that small gradients stay above fp16's smallest
+    numbers. A confident model's gradient is made of small probabilities (~1.5e-8 here, below fp16's 6e-8): the
+    plain head keeps them (its logits' gradient is scaled before it is cast to fp16), and so must the chunked one,
+    although it computes its gradient in the forward, before the scale is applied."""
+    torch.manual_seed(0)
+    vocab, d, n = 512, 32, 24
+    targets = torch.randperm(vocab)[:n][None]
+    hidden = torch.linalg.qr(torch.randn(d, n)).Q.T[None] * 0.5  # orthogonal hidden states: no token sees another's row
+    weight = torch.randn(vocab, d) * 0.01
+    weight[targets[0]] = 18.0 * hidden[0] / 0.25  # each token's target logit: 18, the others near 0
+    others = torch.ones(vocab, dtype=torch.bool)
+    others[targets[0]] = False
+    scale = 2.0**16
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    logits64 = h64 @ w64.T
+    token_loss_sum(logits64, targets).backward()
+    probabilities = logits64.detach().softmax(-1)[0][:, others]
+    assert probabilities.max() < torch.finfo(torch.float16).smallest_normal / 1000  # flushed to 0 in fp16 unscaled
+    errors = {}
+    for chunked in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = chunked_cross_entropy(h, w, targets, 8) if chunked else token_loss_sum(h @ w.T, targets)
+        (loss * scale).backward()  # what GradScaler.scale(loss).backward() does
+        errors["chunked" if chunked else "plain"] = [
+            float(((g / scale).double() - ref).norm() / ref.norm())
+            for g, ref in ((h.grad, h64.grad), (w.grad[others], w64.grad[others]))]
+    for name, (hidden_error, others_error) in errors.items():
+        assert others_error < 0.05, errors  # the other classes' weight gradients: p x h, fp16 rounding of them
+        # the hidden states' gradient is a difference of nearly equal terms: fp16's rounding of the head shows in it
+        assert hidden_error < 0.2, (name, errors)
+
+
 def test_gpt_loss_sum_equals_the_loss_of_its_logits_with_tied_weights():
     torch.manual_seed(0)
     x, y = torch.randint(97, (2, 32)), torch.randint(97, (2, 32))

@@ -41,6 +41,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, chunk_tokens, vocab_size, ignore_index, compute_dtype):
         loss_dtype = torch.promote_types(compute_dtype, torch.float32)  # the loss in fp32 at least, as the plain head
         w = weight.to(compute_dtype)
+        # The gradient's matmuls run in the compute dtype, except fp16: GradScaler scales the loss only after this
+        # forward, so fp16 would flush a confident model's small probabilities (below 6e-8) to zero where the plain
+        # head, whose backward sees the scaled loss, keeps them. In fp32 they are exact; under autocast the weight
+        # and the hidden states already are fp32, so this costs no copy, only fp32 instead of fp16 matmuls.
+        grad_dtype = loss_dtype if compute_dtype == torch.float16 else compute_dtype
+        w_for_grad = w if grad_dtype == compute_dtype else weight.to(grad_dtype)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = None
         total = torch.zeros((), dtype=loss_dtype, device=hidden.device)
@@ -57,8 +63,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             # d(summed loss)/d(logits) = softmax - one_hot(target), zero on ignored tokens; reuses the logits' memory
             grad = logits.sub_(lse[:, None]).exp_()
             grad[torch.arange(t.size(0), device=t.device), safe] -= 1
-            grad = grad.mul_(valid[:, None]).to(compute_dtype)
-            grad_hidden[start:start + chunk_tokens] = grad @ w
+            grad = grad.mul_(valid[:, None]).to(grad_dtype)
+            grad_hidden[start:start + chunk_tokens] = grad @ w_for_grad
+            h = h if grad_dtype == compute_dtype else hidden[start:start + chunk_tokens].to(grad_dtype)
             if grad_weight is None:
                 grad_weight = (grad.T @ h).to(loss_dtype)
             elif grad.dtype == loss_dtype:
