@@ -40,12 +40,12 @@ from helpers.parallel.runtime import (
     add_common_args,
     add_dtype_arg,
     config_from_args,
+    finish_and_exit,
     max_abs_diff,
     max_param_diff,
     rank_batches,
     run_info,
     setup,
-    teardown,
     token_ids,
     write_json,
 )
@@ -170,7 +170,7 @@ def main() -> None:
             results[name].update(max_param_diff=diffs[worst], worst_parameter=worst,
                                  max_param_change=max_param_diff(ref, initial))  # how far training moved them
     write_json(runtime, args.out, results)
-    teardown()
+    finish_and_exit()
 
 
 if __name__ == "__main__":

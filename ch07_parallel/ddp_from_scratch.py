@@ -41,12 +41,12 @@ from helpers.parallel.runtime import (
     add_common_args,
     add_dtype_arg,
     config_from_args,
+    finish_and_exit,
     max_abs_diff,
     max_param_diff,
     rank_batches,
     run_info,
     setup,
-    teardown,
     token_ids,
     write_json,
 )
@@ -279,7 +279,7 @@ def main() -> None:
             max_abs_diff(p, q) for p, q in zip(zero["models"]["zero1"].parameters(),
                                                zero["models"]["ddp_adamw"].parameters(), strict=True))
     write_json(runtime, args.out, results)
-    teardown()
+    finish_and_exit()
 
 
 if __name__ == "__main__":

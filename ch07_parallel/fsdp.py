@@ -39,11 +39,11 @@ from helpers.parallel.runtime import (
     add_common_args,
     add_dtype_arg,
     config_from_args,
+    finish_and_exit,
     max_abs_diff,
     rank_batches,
     run_info,
     setup,
-    teardown,
     token_ids,
     write_json,
 )
@@ -211,7 +211,7 @@ def main() -> None:
             results["max_param_change"] = max(max_abs_diff(p, q) for p, q in
                                               zip(reference.parameters(), base.parameters(), strict=True))
     write_json(runtime, args.out, results)
-    teardown()
+    finish_and_exit()
 
 
 if __name__ == "__main__":

@@ -42,11 +42,11 @@ from helpers.parallel.pipeline import (
 from helpers.parallel.runtime import (
     add_common_args,
     config_from_args,
+    finish_and_exit,
     max_abs_diff,
     max_over_ranks,
     run_info,
     setup,
-    teardown,
     write_json,
 )
 from helpers.system.args import positive_int
@@ -215,7 +215,7 @@ def main() -> None:
     if args.bubble_micro:
         results["bubble"] = bubble_sweep(pipe, args.bubble_micro, args.repeats)
     write_json(runtime, args.out, results)
-    teardown()
+    finish_and_exit()
 
 
 if __name__ == "__main__":

@@ -30,11 +30,11 @@ from helpers.parallel.comm import bytes_written, ring_all_reduce_bytes
 from helpers.parallel.runtime import (
     add_common_args,
     config_from_args,
+    finish_and_exit,
     max_abs_diff,
     max_over_ranks,
     run_info,
     setup,
-    teardown,
     write_json,
 )
 from helpers.parallel.tensor_parallel import TPLogs, parallelize_gpt, shard_of, tensor_parallel_gpt
@@ -136,7 +136,7 @@ def main() -> None:
     results["from_scratch"] = from_scratch(base, x, y, ref_logits, ref_grads, runtime)
     results["dtensor"] = with_dtensor(base, x, y, ref_logits, ref_grads, runtime)
     write_json(runtime, args.out, results)
-    teardown()
+    finish_and_exit()
 
 
 if __name__ == "__main__":

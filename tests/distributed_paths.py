@@ -23,7 +23,7 @@ from helpers.parallel.pipeline import (
     sync_tied_gradients,
     tied_group,
 )
-from helpers.parallel.runtime import max_over_ranks, setup, teardown
+from helpers.parallel.runtime import finish_and_exit, max_over_ranks, setup
 from helpers.parallel.tensor_parallel import parallelize_gpt, shard_of, tensor_parallel_gpt
 from helpers.training.step import lm_loss
 
@@ -100,7 +100,7 @@ def main() -> None:
     if runtime.is_main:
         with open(sys.argv[1], "w") as f:
             json.dump(rows, f)
-    teardown()
+    finish_and_exit()
 
 
 if __name__ == "__main__":

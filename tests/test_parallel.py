@@ -193,6 +193,15 @@ def test_run_for_result_shows_the_command_and_returns_what_rank_0_wrote(torchrun
         "writes.py --steps 3 --out RESULT.json") and str(tmp_path) not in shown
 
 
+def test_a_finished_worker_exits_at_once_with_its_output_flushed(python_process):
+    """finish_and_exit ends the process without the interpreter's shutdown (where freeing gloo's and FSDP's objects
+    can deadlock), so nothing after it runs, not even atexit handlers; what the worker printed still arrives."""
+    done = python_process("-c", "import atexit\nfrom helpers.parallel.runtime import finish_and_exit\n"
+                          "atexit.register(print, 'interpreter shutdown')\nprint('results written', end='')\n"
+                          "finish_and_exit()\nprint('after')\n", timeout=120)
+    assert (done.returncode, done.stdout) == (0, "results written"), done.stderr[-2000:]
+
+
 def test_launch_reports_the_failing_ranks_error(torchrun, tmp_path):
     script = tmp_path / "fails.py"
     script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('rank 1 fails on purpose')\n")

@@ -9,10 +9,12 @@ import faulthandler
 import json
 import os
 import signal
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -81,10 +83,17 @@ def setup(device: str = "auto", timeout_s: float = 120) -> Runtime:
     return Runtime(dist.get_rank(), dist.get_world_size(), dev, dist.get_backend())
 
 
-def teardown() -> None:
+def finish_and_exit() -> NoReturn:
+    """The last call of a script's `main`: wait for every rank, leave the process group, and end this process at
+    once (`os._exit`, after flushing its output), not through the interpreter's shutdown. Everything the run
+    produces is written by then; what is left is freeing objects, and freeing FSDP's and gloo's after the group
+    is gone can deadlock: one rank of fsdp.py finished its work, passed the barrier and then never exited."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def max_over_ranks(value: float, device: torch.device) -> float:
