@@ -3,7 +3,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# What the notebooks need (`make lab`, `make course`), and the development tools on top (`make test`).
+RUNTIME := $(VENV)/.installed-runtime
+DEV := $(VENV)/.installed-dev
 # Parallel test workers: one per core, at most 4 (each holds a model or a notebook kernel in memory).
 WORKERS ?= $(shell $(PYTHON) -c 'import os; print(max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)))')
 NOTEBOOKS := $(sort $(wildcard ch*/*.ipynb))
@@ -21,37 +23,41 @@ $(BIN)/python:
 		{ echo "The course needs Python 3.10 or newer: make PYTHON=python3.12 ..."; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python requirements.txt pyproject.toml
+$(RUNTIME): $(BIN)/python requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements.txt -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -r requirements.txt -e .
 	@touch $@
 
-setup: $(STAMP)  ## create .venv and install everything
+$(DEV): $(RUNTIME)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@touch $@
 
-course: $(STAMP)  ## execute the lessons headless into reports/ (COURSE_SMOKE=1 for the smoke scale)
+setup: $(DEV)  ## create .venv and install everything, the development tools included
+
+course: $(RUNTIME)  ## execute the lessons headless into reports/ (COURSE_SMOKE=1 for the smoke scale)
 	$(BIN)/python -m helpers run-notebooks --out reports $(LESSONS)
 
-solutions: $(STAMP)  ## execute every chapter's solutions notebook headless into reports/
+solutions: $(RUNTIME)  ## execute every chapter's solutions notebook headless into reports/
 	$(BIN)/python -m helpers run-notebooks --out reports $(SOLUTIONS)
 
-record: $(STAMP)  ## re-record every notebook in place at the default scale, one at a time, refusing a busy machine
+record: $(RUNTIME)  ## re-record every notebook in place at the default scale, one at a time, refusing a busy machine
 	$(BIN)/python -m helpers record
 
-lab: $(STAMP)  ## open the course in JupyterLab
+lab: $(RUNTIME)  ## open the course in JupyterLab
 	$(BIN)/jupyter lab
 
-test: $(STAMP)  ## ruff + every test: in parallel workers, then the timing- and memory-sensitive ones alone
+test: $(DEV)  ## ruff + every test: in parallel workers, then the timing- and memory-sensitive ones alone
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PARALLEL) $(REPORT) -m "not serial"
 	$(BIN)/python -m pytest $(REPORT) -m serial
 
-test-fast: $(STAMP)  ## the in-process unit tests (no notebooks, torchrun, subprocesses or compiles): a few minutes
+test-fast: $(DEV)  ## the in-process unit tests (no notebooks, torchrun, subprocesses or compiles): a few minutes
 	$(BIN)/python -m pytest $(PARALLEL) -m "$(FAST)"
 
-check: $(STAMP)  ## [OK]/[FAIL] per requirement and capability
+check: $(RUNTIME)  ## [OK]/[FAIL] per requirement and capability
 	$(BIN)/python setup/check_env.py
 
-sync-bootstrap: $(STAMP)  ## write the bootstrap cell (repository address) into every notebook
+sync-bootstrap: $(RUNTIME)  ## write the bootstrap cell (repository address) into every notebook
 	$(BIN)/python -m helpers sync-bootstrap
 
 clean:

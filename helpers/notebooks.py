@@ -6,9 +6,11 @@ first code cell of every notebook, so a fork changes `REPOSITORY_URL` and runs t
 
 from __future__ import annotations
 
+import ast
 import datetime
 import html
 import os
+import re
 import sys
 import tempfile
 import time
@@ -270,14 +272,18 @@ def remaining_estimate(paths: list[Path], done: int) -> str:
     return f"; about {sum(left) / 60:.0f} min left by the recorded times"
 
 
-README_SECTIONS = {  # what `python -m helpers record` writes into the README, between these markers
-    "times": ("<!-- recorded times: written by `python -m helpers record` -->", "<!-- end of recorded times -->"),
-    "claims": ("<!-- claims: written by `python -m helpers record` -->", "<!-- end of claims -->"),
+RECORDED_SECTIONS = {  # what `python -m helpers record` writes, between these markers, into these documents
+    "times": ("RESULTS.md", "<!-- recorded times: written by `python -m helpers record` -->",
+              "<!-- end of recorded times -->"),
+    "claims": ("RESULTS.md", "<!-- claims: written by `python -m helpers record` -->", "<!-- end of claims -->"),
+    "sample": ("README.md", "<!-- sample: written by `python -m helpers record` -->", "<!-- end of sample -->"),
 }
+SAMPLE_NOTEBOOK = "ch05_training/01_pretraining.ipynb"  # the README shows the last sample of its committed run
+SAMPLE_TAG = "readme-sample"  # its cell that prints the samples, one `step  'text'` line per step
 
 
 def recorded_times_table(paths: list[Path], root: Path = ROOT) -> str:
-    """The README's table of each notebook's last recording: wall time, machine, threads, torch, date; then the
+    """The table of each notebook's last recording: wall time, machine, threads, torch, date; then the
     minutes of the lessons (what `make course` runs), of the solutions (`make solutions`) and of both."""
     rows = ["| notebook | minutes | machine | threads | torch | recorded |", "|---|---:|---|---:|---|---|"]
     seconds = {"lessons": 0.0, "solutions": 0.0}
@@ -306,7 +312,7 @@ def notebook_claims(path: Path) -> list[tuple[bool, str]]:
 
 
 def claims_table(paths: list[Path], root: Path = ROOT) -> str:
-    """The README's table of the claims checked in each notebook's committed run, ✓ held, ✗ did not."""
+    """The table of the claims checked in each notebook's committed run, ✓ held, ✗ did not."""
     rows = ["| notebook | claim, as checked in the committed run |", "|---|---|"]
     for path in paths:
         name = path.resolve().relative_to(root).as_posix()
@@ -314,23 +320,56 @@ def claims_table(paths: list[Path], root: Path = ROOT) -> str:
     return "\n".join(rows)
 
 
-def update_readme(readme: Path = ROOT / "README.md", paths: list[Path] | None = None,
-                  root: Path = ROOT) -> bool:
-    """Write the recorded times and the claims tables between the README's markers; True when it changed."""
-    paths = paths or find_notebooks()
-    text = original = readme.read_text()
-    for key, content in (("times", recorded_times_table(paths, root)), ("claims", claims_table(paths, root))):
-        start, end = README_SECTIONS[key]
-        if start not in text or end not in text:
-            raise ValueError(f"{readme} has no {key} markers: add the lines {start!r} and {end!r}")
-        head, rest = text.split(start, 1)
-        _, tail = rest.split(end, 1)
-        text = f"{head}{start}\n{content}\n{end}{tail}"
-    if text == original:
-        return False
-    with atomic_path(readme) as tmp:
-        tmp.write_text(text)
-    return True
+def readme_sample(path: Path, root: Path = ROOT) -> str:
+    """The README's sample of the model's text: the last line that the notebook's cell tagged `readme-sample`
+    printed in its committed run, after the prompt, and where it comes from."""
+    nb = nbformat.read(path, as_version=4)
+    cell = next((c for c in nb.cells if SAMPLE_TAG in c.metadata.get("tags", [])), None)
+    if cell is None:
+        raise ValueError(f"{path} has no cell tagged {SAMPLE_TAG!r}: tag the cell that prints the samples")
+    printed = "".join(out.get("text", "") for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+    prompt = re.search(r"prompt: ('.*')\)", printed)
+    samples = re.findall(r"^\s*(\d+)  ('.*')$", printed, flags=re.M)
+    if prompt is None or not samples:
+        raise ValueError(f"{path}'s {SAMPLE_TAG!r} cell printed no samples: run `python -m helpers record` on it")
+    step, text = samples[-1]
+    meta = nb.metadata.get("course", {})
+    recorded = (f" (a {meta['wall_seconds'] / 60:.1f}-minute notebook on {meta['machine']}, {meta['threads']} "
+                f"threads, recorded {meta['recorded']})" if meta else "")
+    name = path.resolve().relative_to(root.resolve()).as_posix()
+    block = (ast.literal_eval(prompt.group(1)) + ast.literal_eval(text)).replace("```", "` ` `")
+    return (f"```text\n{block}\n```\n\nThe prompt and the model's continuation after {int(step):,} training steps, "
+            f"in the committed run of [`{name}`]({name}){recorded}. Your run prints its own.")
+
+
+def recorded_contents(paths: list[Path] | None = None, root: Path = ROOT) -> dict[str, str]:
+    """What belongs between each pair of RECORDED_SECTIONS markers, from the notebooks' committed runs."""
+    paths = paths or find_notebooks(root)
+    return {"times": recorded_times_table(paths, root), "claims": claims_table(paths, root),
+            "sample": readme_sample(root / SAMPLE_NOTEBOOK, root)}
+
+
+def update_recorded(paths: list[Path] | None = None, root: Path = ROOT) -> list[str]:
+    """Write the recorded times and the claims tables into RESULTS.md and the sample into the README, between their
+    markers; returns the documents that changed."""
+    contents = recorded_contents(paths, root)
+    changed = []
+    for document in dict.fromkeys(doc for doc, _, _ in RECORDED_SECTIONS.values()):
+        path = root / document
+        text = original = path.read_text()
+        for key, (doc, start, end) in RECORDED_SECTIONS.items():
+            if doc != document:
+                continue
+            if start not in text or end not in text:
+                raise ValueError(f"{path} has no {key} markers: add the lines {start!r} and {end!r}")
+            head, rest = text.split(start, 1)
+            _, tail = rest.split(end, 1)
+            text = f"{head}{start}\n{contents[key]}\n{end}{tail}"
+        if text != original:
+            with atomic_path(path) as tmp:
+                tmp.write_text(text)
+            changed.append(document)
+    return changed
 
 
 def run_notebooks(paths: list[Path], out: Path, smoke: bool, timeout: int) -> int:
@@ -353,8 +392,8 @@ def run_notebooks(paths: list[Path], out: Path, smoke: bool, timeout: int) -> in
 def record_notebooks(paths: list[Path], threads: int, max_busy: float, force: bool, timeout: int) -> bool:
     """Re-record `paths` in place at the default scale, one at a time, each with `threads` torch threads; a notebook
     is saved only when other programs used at most `max_busy` cores just before and after it (`force`: always).
-    The README's recorded times and claims follow when the notebooks are the course's. Returns whether all were
-    saved."""
+    RESULTS.md's times and claims and the README's sample follow when the notebooks are the course's. Returns
+    whether all were saved."""
     import torch
 
     from .system.device import detect_capabilities
@@ -392,7 +431,7 @@ def record_notebooks(paths: list[Path], threads: int, max_busy: float, force: bo
                 return False
             os.replace(Path(tmp) / path.name, path)
     if all(p.is_relative_to(ROOT) for p in paths):
-        update_readme()  # the README's times and claims are the recording's
+        update_recorded()  # RESULTS.md's times and claims and the README's sample are the recording's
     return True
 
 

@@ -109,3 +109,17 @@ def test_the_lowest_environment_pins_every_declared_lower_bound():
         marker = requirement.partition(";")[2].strip()
         assert f"{name}=={bound}" + (f"; {marker}" if marker else "") in pins, requirement
     assert load_matrix().lower_bounds(["torch>=2.8", "numpy", "x>=1,<2"]) == ["torch==2.8"]  # only plain bounds
+
+
+@pytest.mark.subprocess
+def test_make_lab_installs_what_the_notebooks_need_and_make_test_adds_the_development_tools(tmp_path):
+    """`make -n` prints what a target would run in a fresh `.venv` (here a folder that does not exist)."""
+    def planned(target: str) -> str:
+        done = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    lab, test = planned("lab"), planned("test")
+    assert "-r requirements.txt -e .\n" in lab and "[dev]" not in lab and "jupyter lab" in lab
+    assert "-r requirements.txt -e .\n" in test and '-e ".[dev]"' in test and "pytest" in test

@@ -64,7 +64,7 @@ def test_remaining_estimate_sums_the_recorded_times(tmp_path):
     assert notebooks.remaining_estimate([*paths, tiny_notebook(tmp_path / "new.ipynb")], 0) == ""
 
 
-def test_readme_tables_of_times_and_claims(tmp_path):
+def test_recorded_times_claims_and_sample(tmp_path):
     paths = [tiny_notebook(tmp_path / f"{i}.ipynb") for i in range(2)]
     nb = nbformat.read(paths[0], as_version=4)
     nb.metadata["course"] = {"wall_seconds": 90.0, "machine": "Test CPU", "device": "cpu", "bf16_native": False,
@@ -81,21 +81,37 @@ def test_readme_tables_of_times_and_claims(tmp_path):
     assert notebooks.notebook_claims(paths[0]) == [(True, "✓ A beats B: 2.0x"), (False, "✗ C | D: 0.9x")]
     claims = notebooks.claims_table(paths, root=tmp_path)
     assert claims.splitlines()[2:] == ["| `0.ipynb` | ✓ A beats B: 2.0x |", "| `0.ipynb` | ✗ C / D: 0.9x |"]
-    (t0, t1), (c0, c1) = notebooks.README_SECTIONS["times"], notebooks.README_SECTIONS["claims"]
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{t0}\nold\n{t1}\nmiddle\n{c0}\n{c1}\nrest\n")
-    assert notebooks.update_readme(readme, paths, root=tmp_path)
-    assert readme.read_text() == f"intro\n{t0}\n{times}\n{t1}\nmiddle\n{c0}\n{claims}\n{c1}\nrest\n"
-    assert not notebooks.update_readme(readme, paths, root=tmp_path)
-    readme.write_text(f"{t0}\n{t1}\n")
+    (_, t0, t1), (_, c0, c1) = notebooks.RECORDED_SECTIONS["times"], notebooks.RECORDED_SECTIONS["claims"]
+    _, s0, s1 = notebooks.RECORDED_SECTIONS["sample"]
+    sample_path = tmp_path / notebooks.SAMPLE_NOTEBOOK
+    sample_path.parent.mkdir(parents=True)
+    nb = nbformat.read(tiny_notebook(sample_path), as_version=4)
+    nb.cells[0].metadata["tags"] = [notebooks.SAMPLE_TAG]
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text=(
+        " step  sample (prompt: 'def f')\n    0  '\\x00 noise'\n   20  '(x):\\n    return x'\n"))]
+    nbformat.write(nb, sample_path)
+    sample = notebooks.readme_sample(sample_path, root=tmp_path)
+    assert sample.startswith("```text\ndef f(x):\n    return x\n```\n") and "after 20 training steps" in sample
+    (tmp_path / "RESULTS.md").write_text(f"intro\n{t0}\nold\n{t1}\nmiddle\n{c0}\n{c1}\nrest\n")
+    (tmp_path / "README.md").write_text(f"top\n{s0}\n{s1}\n")
+    assert notebooks.update_recorded(paths, root=tmp_path) == ["RESULTS.md", "README.md"]
+    assert (tmp_path / "RESULTS.md").read_text() == f"intro\n{t0}\n{times}\n{t1}\nmiddle\n{c0}\n{claims}\n{c1}\nrest\n"
+    assert (tmp_path / "README.md").read_text() == f"top\n{s0}\n{sample}\n{s1}\n"
+    assert notebooks.update_recorded(paths, root=tmp_path) == []
+    (tmp_path / "RESULTS.md").write_text(f"{t0}\n{t1}\n")
     with pytest.raises(ValueError, match="no claims markers"):
-        notebooks.update_readme(readme, paths, root=tmp_path)
+        notebooks.update_recorded(paths, root=tmp_path)
+    nb.cells[0].metadata["tags"] = []
+    nbformat.write(nb, sample_path)
+    with pytest.raises(ValueError, match="no cell tagged 'readme-sample'"):
+        notebooks.readme_sample(sample_path, root=tmp_path)
 
 
-def test_readme_shows_the_committed_recording(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text((notebooks.ROOT / "README.md").read_text())
-    assert not notebooks.update_readme(readme), "README's times or claims differ: run `python -m helpers record`"
+def test_results_and_readme_show_the_committed_recording():
+    for key, content in notebooks.recorded_contents().items():
+        document, start, end = notebooks.RECORDED_SECTIONS[key]
+        committed = (notebooks.ROOT / document).read_text().split(start, 1)[1].split(end, 1)[0]
+        assert committed == f"\n{content}\n", f"{document}'s {key} differ from the notebooks: run `helpers record`"
 
 
 def test_every_notebook_records_its_machine_and_time():
