@@ -26,47 +26,25 @@ from .system.files import atomic_path
 from .system.repository import REPOSITORY_URL, REVISION, ROOT
 
 BOOTSTRAP_SOURCE = """\
-# Setup: use the course's `helpers` from the clone this notebook is in or, on a fresh runtime (Colab), clone the
-# course and install it; then print the environment. A failure prints one message saying what to do.
+# @title Setup (run first): the course's helpers, cloned and installed on a fresh runtime { display-mode: "form" }
 import pathlib
+import runpy
 import subprocess
-import sys
 
 REPOSITORY_URL = "<<URL>>"
 REVISION = "<<REVISION>>"  # the branch or tag these notebooks belong to
-
-
-def course_root():
-    here = pathlib.Path.cwd().resolve()
-    for folder in (here, *here.parents):
-        if (folder / "helpers" / "__init__.py").is_file() and (folder / "pyproject.toml").is_file():
-            return folder  # a clone: used as it is, so edits to its helpers/ take effect
-    clone = here / "gpt-from-scratch-fast"
-    if not (clone / "helpers" / "__init__.py").is_file():  # the scripts of ch07 come with the clone
-        for step in (["git", "clone", "--quiet", "--depth", "1", "--branch", REVISION, REPOSITORY_URL, str(clone)],
-                     [sys.executable, "-m", "pip", "install", "--quiet", "--editable", str(clone)]):
-            try:
-                done = subprocess.run(step, capture_output=True, text=True, timeout=900)
-            except (OSError, subprocess.TimeoutExpired) as err:
-                done = subprocess.CompletedProcess(step, 1, "", str(err))
-            if done.returncode:
-                reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                raise SystemExit(f"setup failed at `{' '.join(step[:3])}`: {reason}\\nCheck that this runtime reaches "
-                                 f"the internet, or clone {REPOSITORY_URL} yourself and open the notebook there.")
-    return clone
-
-
-root = course_root()
-sys.path.insert(0, str(root))  # the course's helpers before any other module of that name
-try:
-    import helpers
-except ImportError as err:
-    raise SystemExit(f"the course's helpers need packages this Python lacks ({err}): run `make lab` in {root}, or "
-                     f"`pip install --editable {root}`") from None
-if pathlib.Path(helpers.__file__).resolve().parent != (root / "helpers").resolve():
-    raise SystemExit(f"`import helpers` gave {helpers.__file__}, not the course's: restart the kernel")
-
+here = pathlib.Path.cwd().resolve()
+root = next((d for d in (here, *here.parents) if (d / "setup/bootstrap.py").is_file()), here / "gpt-from-scratch-fast")
+if not (root / "setup/bootstrap.py").is_file():  # a fresh runtime: fetch the course
+    git = subprocess.run(["git", "clone", "--quiet", "--depth=1", f"--branch={REVISION}", REPOSITORY_URL, str(root)],
+                         capture_output=True, text=True, timeout=900)
+    if git.returncode:
+        raise SystemExit(f"setup failed at `git clone`: {git.stderr.strip()}\\nCheck that this runtime reaches the "
+                         f"internet, or clone {REPOSITORY_URL} yourself and open the notebook there.")
+helpers = runpy.run_path(str(root / "setup/bootstrap.py"))["course_helpers"](root)  # install, import and check them
 print(helpers.environment_line())"""
+# Shown collapsed: Colab's form view (the @title line) and JupyterLab's hidden source.
+BOOTSTRAP_METADATA = {"cellView": "form", "jupyter": {"source_hidden": True}}
 
 
 def bootstrap_source(url: str = REPOSITORY_URL, revision: str = REVISION) -> str:
@@ -98,11 +76,11 @@ def sync_bootstrap(path: Path, url: str = REPOSITORY_URL, root: Path = ROOT) -> 
     before = nbformat.writes(nb)
     source = bootstrap_source(url)
     first = next((c for c in nb.cells if c.cell_type == "code"), None)
-    if first is not None and "REPOSITORY_URL" in first.source:
-        first.source = source
-    else:  # no bootstrap yet: insert it after the leading markdown (title and introduction)
-        at = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"), len(nb.cells))
-        nb.cells.insert(at, nbformat.v4.new_code_cell(source))
+    if first is None or "REPOSITORY_URL" not in first.source:  # none yet: after the title and introduction
+        first = nbformat.v4.new_code_cell(source)
+        nb.cells.insert(next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"), len(nb.cells)), first)
+    first.source = source
+    first.metadata.update(BOOTSTRAP_METADATA)
     title = nb.cells[0]
     if title.cell_type == "markdown":
         heading, *body = [line for line in title.source.split("\n") if not line.startswith("[Open in Colab](")]

@@ -62,6 +62,8 @@ FUNCTION_MARKERS = {
     "test_sync_bootstrap_inserts_updates_and_is_idempotent": ("versionless",),
     "test_bootstrap_outside_a_clone_without_network_says_what_to_do": ("versionless",),
     "test_bootstrap_inside_a_clone_uses_the_clone_as_it_is": ("versionless",),
+    "test_bootstrap_shows_pips_progress_and_says_why_an_install_failed": ("subprocess", "versionless"),
+    "test_bootstrap_installs_only_the_clone_the_first_cell_made": ("versionless",),
     "test_terminal_text_keeps_the_last_redraw_of_each_line": ("versionless",),
     "test_run_notebooks_records_a_stuck_or_dead_notebook_and_runs_the_next": ("subprocess", "serial"),
     "test_bad_arguments_are_usage_errors": ("versionless",),

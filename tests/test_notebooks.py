@@ -2,11 +2,13 @@
 
 import json
 import re
+import sys
 
 import nbformat
 import pytest
 
 from helpers.notebooks import (
+    BOOTSTRAP_METADATA,
     ROOT,
     bootstrap_source,
     clean_outputs,
@@ -95,6 +97,7 @@ def test_notebook_is_committed_clean(path):
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code[0].source == bootstrap_source(), "run `python -m helpers sync-bootstrap`"
+    assert code[0].metadata.items() >= BOOTSTRAP_METADATA.items(), "run `python -m helpers sync-bootstrap`"
     assert colab_link(path) in nb.cells[0].source.split("\n"), "run `python -m helpers sync-bootstrap`"
     params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
     assert params == [code[1]], "the second code cell must be the only one tagged `parameters`"
@@ -180,7 +183,7 @@ def test_bootstrap_outside_a_clone_without_network_says_what_to_do(run_bootstrap
     done = run_bootstrap(tmp_path, url=str(tmp_path / "no-such-repository"))
     assert done.returncode == 1 and "Traceback" not in done.stderr
     first, advice = done.stderr.strip().splitlines()[-2:]
-    assert first.startswith("setup failed at `git clone --quiet`: fatal:") and "no-such-repository" in first
+    assert first.startswith("setup failed at `git clone`: fatal:") and "no-such-repository" in first
     assert advice.startswith("Check that this runtime reaches the internet, or clone")
     assert not (tmp_path / "gpt-from-scratch-fast" / "helpers").exists()
 
@@ -196,6 +199,42 @@ def test_bootstrap_inside_a_clone_uses_the_clone_as_it_is(run_bootstrap, tmp_pat
     (tmp_path / "gpt-from-scratch-fast").symlink_to(ROOT, target_is_directory=True)
     done = run_bootstrap(tmp_path)
     assert done.returncode == 0 and "stray" not in done.stderr, done.stderr
+
+
+@pytest.fixture
+def bootstrap_module():
+    """setup/bootstrap.py, which the first cell runs, as a module."""
+    import runpy
+
+    return runpy.run_path(str(ROOT / "setup" / "bootstrap.py"))
+
+
+def test_bootstrap_shows_pips_progress_and_says_why_an_install_failed(bootstrap_module, capsys):
+    run_pip = bootstrap_module["run_pip"]
+    script = "print('Collecting tiktoken'); print('  Downloading 1 MB'); print('Successfully installed tiktoken-0.12')"
+    run_pip([sys.executable, "-c", script])
+    shown = capsys.readouterr().out
+    assert "  Collecting tiktoken\n" in shown and "  Successfully installed tiktoken-0.12\n" in shown
+    assert "Downloading" not in shown
+    with pytest.raises(SystemExit, match="setup failed at `pip install`: ERROR: no matching distribution"):
+        run_pip([sys.executable, "-c", "import sys; print('Collecting x'); print('ERROR: no matching distribution');"
+                 "sys.exit(1)"])
+    with pytest.raises(SystemExit, match="did not finish within 1 s"):
+        run_pip([sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=1)
+
+
+def test_bootstrap_installs_only_the_clone_the_first_cell_made(bootstrap_module, tmp_path, monkeypatch):
+    calls = []
+    course_helpers = bootstrap_module["course_helpers"]
+    monkeypatch.setitem(course_helpers.__globals__, "run_pip", calls.append)
+    monkeypatch.setitem(course_helpers.__globals__, "is_installed", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # course_helpers puts the course first
+    with pytest.raises(SystemExit, match="restart the kernel"):  # not a course: its helpers come from elsewhere
+        course_helpers(tmp_path / "gpt-from-scratch-fast")
+    assert calls and calls[0][-2:] == ["--editable", str(tmp_path / "gpt-from-scratch-fast")]
+    calls.clear()
+    assert course_helpers(ROOT).__file__ == str(ROOT / "helpers" / "__init__.py") and not calls  # yours: as it is
 
 
 def write_notebook(path, *sources):
