@@ -1,5 +1,6 @@
-# `make course` runs the lessons headless into reports/, `make test` lints and runs every test (every notebook at
-# smoke scale included), `make test-fast` the in-process unit tests while you work. All create or reuse .venv.
+# `make core` runs the core path's notebooks and `make course` every lesson headless into reports/, `make test`
+# lints and runs every test (every notebook at smoke scale included), `make test-fast` the in-process unit tests
+# while you work. All create or reuse .venv.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -16,7 +17,7 @@ PARALLEL := -n $(WORKERS) --dist loadgroup
 REPORT := --durations=25 --timeout=900
 FAST := not (notebook or distributed or subprocess or compile or slow or serial)
 
-.PHONY: setup course solutions record lab test test-fast check sync-bootstrap clean
+.PHONY: setup core course solutions record lab test test-fast check sync-bootstrap clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
@@ -33,6 +34,9 @@ $(DEV): $(RUNTIME)
 	@touch $@
 
 setup: $(DEV)  ## create .venv and install everything, the development tools included
+
+core: $(RUNTIME)  ## execute the core path's notebooks headless, in order, into reports/ (COURSE_SMOKE=1 for the smoke scale)
+	$(BIN)/python -m helpers run-notebooks --out reports --core
 
 course: $(RUNTIME)  ## execute the lessons headless into reports/ (COURSE_SMOKE=1 for the smoke scale)
 	$(BIN)/python -m helpers run-notebooks --out reports $(LESSONS)

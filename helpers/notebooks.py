@@ -62,6 +62,76 @@ def is_solutions(path: Path) -> bool:
     return path.name == "solutions.ipynb"
 
 
+# The core path: the lessons a learner walks in this order, from text to a modern decoder (tokens, attention, the
+# GPT, training it, decoding, the KV cache); every other lesson is a deep dive into the core notebook it extends.
+CORE_PATH = (
+    "ch02_text/01_tokenization.ipynb",
+    "ch02_text/02_data.ipynb",
+    "ch03_attention/01_self_attention.ipynb",
+    "ch04_flops/01_gpt_model.ipynb",
+    "ch05_training/01_pretraining.ipynb",
+    "ch05_training/07_decoding.ipynb",
+    "ch06_inference/01_kv_cache.ipynb",
+    "ch08_modern_llm/01_from_gpt2_to_llama.ipynb",
+)
+DEEP_DIVES = {  # deep dive -> the core notebook it extends
+    "ch03_attention/02_efficient_mha.ipynb": "ch03_attention/01_self_attention.ipynb",
+    "ch03_attention/03_flash_attention.ipynb": "ch03_attention/01_self_attention.ipynb",
+    "ch04_flops/02_flops_analysis.ipynb": "ch04_flops/01_gpt_model.ipynb",
+    "ch05_training/02_gradient_accumulation.ipynb": "ch05_training/01_pretraining.ipynb",
+    "ch05_training/03_mixed_precision.ipynb": "ch05_training/01_pretraining.ipynb",
+    "ch05_training/04_training_speed.ipynb": "ch05_training/01_pretraining.ipynb",
+    "ch05_training/05_lr_schedules.ipynb": "ch05_training/01_pretraining.ipynb",
+    "ch05_training/06_memory_efficient_loading.ipynb": "ch05_training/01_pretraining.ipynb",
+    "ch05_training/08_activation_memory.ipynb": "ch05_training/01_pretraining.ipynb",
+    "ch06_inference/02_quantization.ipynb": "ch06_inference/01_kv_cache.ipynb",
+    "ch06_inference/03_continuous_batching.ipynb": "ch06_inference/01_kv_cache.ipynb",
+    "ch06_inference/04_speculative_decoding.ipynb": "ch06_inference/01_kv_cache.ipynb",
+    "ch06_inference/05_prefix_caching.ipynb": "ch06_inference/01_kv_cache.ipynb",
+    "ch06_inference/06_int8_kv_cache.ipynb": "ch06_inference/01_kv_cache.ipynb",
+    "ch06_inference/07_decode_bandwidth.ipynb": "ch06_inference/01_kv_cache.ipynb",
+    "ch07_parallel/01_data_parallel.ipynb": "ch05_training/01_pretraining.ipynb",
+    "ch07_parallel/02_tensor_parallel.ipynb": "ch05_training/01_pretraining.ipynb",
+    "ch07_parallel/03_pipeline_parallel.ipynb": "ch05_training/01_pretraining.ipynb",
+    "ch07_parallel/04_fsdp.ipynb": "ch05_training/01_pretraining.ipynb",
+    "ch07_parallel/05_ddp_from_scratch.ipynb": "ch05_training/01_pretraining.ipynb",
+    "ch08_modern_llm/02_kv_memory.ipynb": "ch08_modern_llm/01_from_gpt2_to_llama.ipynb",
+}
+PATH_MARKS = ("**Core path", "**Deep dive")  # how the title cell's line on the path begins
+
+
+def notebook_label(name: str, root: Path = ROOT) -> str:
+    """'3.1 Self-attention from scratch' for the notebook whose title is '# Chapter 3.1 — Self-attention from
+    scratch'."""
+    heading = nbformat.read(root / name, as_version=4).cells[0].source.split("\n")[0]
+    return heading.removeprefix("# Chapter ").replace(" — ", " ", 1)
+
+
+def path_line(path: Path, root: Path = ROOT) -> str | None:
+    """The title cell's line that places a lesson on the course's path: its step on the core path, with the
+    notebooks before and after it and the deep dives into it, or the core notebook a deep dive extends. None for
+    a solutions notebook and a notebook outside the course."""
+    name = path.resolve().relative_to(root.resolve()).as_posix()
+
+    def link(target: str, label: str | None = None) -> str:
+        return f"[{label or notebook_label(target, root)}]({os.path.relpath(root / target, (root / name).parent)})"
+
+    if name in DEEP_DIVES:
+        return f"**Deep dive**, extending the core path's {link(DEEP_DIVES[name])}."
+    if name not in CORE_PATH:
+        return None
+    step = CORE_PATH.index(name)
+    parts = [f"**Core path, {step + 1} of {len(CORE_PATH)}.**"]
+    parts.append(f"After {link(CORE_PATH[step - 1])}; next:" if step else "Start here; next:")
+    parts.append(f"{link(CORE_PATH[step + 1])}." if step + 1 < len(CORE_PATH)
+                 else "the deep dives, listed in each core notebook's title.")
+    dives = [dive for dive, core in DEEP_DIVES.items() if core == name]
+    if dives:
+        numbers = ", ".join(link(d, notebook_label(d, root).split(" ")[0]) for d in dives)
+        parts.append(f"Deep dives from here: {numbers}.")
+    return " ".join(parts)
+
+
 def colab_link(path: Path, url: str = REPOSITORY_URL, revision: str = REVISION, root: Path = ROOT) -> str:
     """A Markdown link that opens the notebook, as committed at `revision`, in Google Colab."""
     repository = url.removeprefix("https://github.com/").removesuffix(".git")
@@ -70,8 +140,8 @@ def colab_link(path: Path, url: str = REPOSITORY_URL, revision: str = REVISION, 
 
 
 def sync_bootstrap(path: Path, url: str = REPOSITORY_URL, root: Path = ROOT) -> bool:
-    """Make the notebook's first code cell the bootstrap cell, and put its Colab link under the title; True when
-    the file changed."""
+    """Make the notebook's first code cell the bootstrap cell, and put its Colab link and its place on the course's
+    path (`path_line`) under the title; True when the file changed."""
     nb = nbformat.read(path, as_version=4)
     before = nbformat.writes(nb)
     source = bootstrap_source(url)
@@ -83,10 +153,13 @@ def sync_bootstrap(path: Path, url: str = REPOSITORY_URL, root: Path = ROOT) -> 
     first.metadata.update(BOOTSTRAP_METADATA)
     title = nb.cells[0]
     if title.cell_type == "markdown":
-        heading, *body = [line for line in title.source.split("\n") if not line.startswith("[Open in Colab](")]
+        heading, *body = [line for line in title.source.split("\n")
+                          if not line.startswith(("[Open in Colab](", *PATH_MARKS))]
         while body and not body[0].strip():
             body.pop(0)
-        title.source = "\n".join([heading, "", colab_link(path, url, root=root), *(["", *body] if body else [])])
+        on_path = path_line(path, root)
+        title.source = "\n".join([heading, "", colab_link(path, url, root=root), *(["", on_path] if on_path else []),
+                                   *(["", *body] if body else [])])
     if nbformat.writes(nb) == before:
         return False
     nbformat.write(nb, path)
@@ -262,9 +335,11 @@ SAMPLE_TAG = "readme-sample"  # its cell that prints the samples, one `step  'te
 
 def recorded_times_table(paths: list[Path], root: Path = ROOT) -> str:
     """The table of each notebook's last recording: wall time, machine, threads, torch, date; then the
-    minutes of the lessons (what `make course` runs), of the solutions (`make solutions`) and of both."""
+    minutes of the core path (what `make core` runs), of the lessons (`make course`), of the solutions
+    (`make solutions`) and of both."""
     rows = ["| notebook | minutes | machine | threads | torch | recorded |", "|---|---:|---|---:|---|---|"]
     seconds = {"lessons": 0.0, "solutions": 0.0}
+    core = 0.0
     for path in paths:
         meta = nbformat.read(path, as_version=4).metadata.get("course")
         name = path.resolve().relative_to(root).as_posix()
@@ -272,10 +347,12 @@ def recorded_times_table(paths: list[Path], root: Path = ROOT) -> str:
             rows.append(f"| `{name}` | not recorded | | | | |")
             continue
         seconds["solutions" if is_solutions(path) else "lessons"] += meta["wall_seconds"]
+        core += meta["wall_seconds"] if name in CORE_PATH else 0.0
         bf16 = ", native bf16" if meta.get("bf16_native") else ""
         rows.append(f"| `{name}` | {meta['wall_seconds'] / 60:.1f} | {meta['machine']} ({meta['device']}{bf16}) | "
                     f"{meta['threads']} | {meta['torch']} | {meta['recorded']} |")
-    rows += [f"| lessons (`make course`) | {seconds['lessons'] / 60:.0f} | | | | |",
+    rows += [f"| core path (`make core`) | {core / 60:.0f} | | | | |",
+             f"| lessons (`make course`) | {seconds['lessons'] / 60:.0f} | | | | |",
              f"| solutions (`make solutions`) | {seconds['solutions'] / 60:.0f} | | | | |",
              f"| all | {sum(seconds.values()) / 60:.0f} | | | | |"]
     return "\n".join(rows)
@@ -414,7 +491,9 @@ def record_notebooks(paths: list[Path], threads: int, max_busy: float, force: bo
 
 
 def _run_arguments(parser) -> None:
-    parser.add_argument("notebooks", nargs="*", help="notebooks to run (default: every chapter's)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("notebooks", nargs="*", default=[], help="notebooks to run (default: every chapter's)")
+    which.add_argument("--core", action="store_true", help="the core path's notebooks, in order")
     parser.add_argument("--out", default="reports", help="folder for the executed copies (default: reports)")
     parser.add_argument("--smoke", action="store_true", help="smoke scale (same as COURSE_SMOKE=1)")
     parser.add_argument("--timeout", type=positive_int, default=900, help="seconds allowed per cell")
@@ -423,7 +502,7 @@ def _run_arguments(parser) -> None:
 def _run(args) -> int:
     from .system.scale import smoke_requested
 
-    paths = [Path(p) for p in args.notebooks] or find_notebooks()
+    paths = [ROOT / name for name in CORE_PATH] if args.core else [Path(p) for p in args.notebooks] or find_notebooks()
     return 1 if run_notebooks(paths, Path(args.out), args.smoke or smoke_requested(), args.timeout) else 0
 
 

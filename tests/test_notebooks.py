@@ -9,12 +9,17 @@ import pytest
 
 from helpers.notebooks import (
     BOOTSTRAP_METADATA,
+    CORE_PATH,
+    DEEP_DIVES,
     ROOT,
     bootstrap_source,
     clean_outputs,
     colab_link,
     execute_notebook,
     find_notebooks,
+    is_solutions,
+    notebook_label,
+    path_line,
     sync_bootstrap,
     terminal_text,
 )
@@ -99,6 +104,8 @@ def test_notebook_is_committed_clean(path):
     assert code[0].source == bootstrap_source(), "run `python -m helpers sync-bootstrap`"
     assert code[0].metadata.items() >= BOOTSTRAP_METADATA.items(), "run `python -m helpers sync-bootstrap`"
     assert colab_link(path) in nb.cells[0].source.split("\n"), "run `python -m helpers sync-bootstrap`"
+    on_path = path_line(path)
+    assert on_path is None or on_path in nb.cells[0].source.split("\n"), "run `python -m helpers sync-bootstrap`"
     params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
     assert params == [code[1]], "the second code cell must be the only one tagged `parameters`"
     assert all(c.execution_count is not None for c in code), "commit the notebook with its outputs"
@@ -147,6 +154,35 @@ def test_the_readme_links_every_lesson_to_colab():
     urls = {p.name: colab_link(p).split("](")[1][:-1] for p in NOTEBOOKS if p.name != "solutions.ipynb"}
     missing = [name for name, url in urls.items() if url not in readme]
     assert not missing, f"the README's chapters table lacks a Colab link for {missing}"
+
+
+def test_every_lesson_is_on_the_core_path_or_a_deep_dive_after_the_core_notebook_it_extends():
+    lessons = [p.relative_to(ROOT).as_posix() for p in NOTEBOOKS if not is_solutions(p)]
+    assert sorted(CORE_PATH) == list(CORE_PATH), "the core path follows the chapters' order"
+    assert not set(CORE_PATH) & set(DEEP_DIVES)
+    assert sorted([*CORE_PATH, *DEEP_DIVES]) == lessons
+    assert all(core in CORE_PATH and core < dive for dive, core in DEEP_DIVES.items())
+
+
+def test_a_lessons_title_says_where_it_stands_on_the_path_with_links_that_resolve():
+    assert path_line(ROOT / "ch04_flops/01_gpt_model.ipynb") == (
+        "**Core path, 4 of 8.** After [3.1 Self-attention from scratch](../ch03_attention/01_self_attention.ipynb); "
+        "next: [5.1 Pretraining the GPT](../ch05_training/01_pretraining.ipynb). Deep dives from here: "
+        "[4.2](02_flops_analysis.ipynb).")
+    assert path_line(ROOT / "ch02_text/01_tokenization.ipynb").startswith("**Core path, 1 of 8.** Start here; next:")
+    assert path_line(ROOT / "ch07_parallel/04_fsdp.ipynb") == (
+        "**Deep dive**, extending the core path's [5.1 Pretraining the GPT](../ch05_training/01_pretraining.ipynb).")
+    assert path_line(ROOT / "ch07_parallel/solutions.ipynb") is None
+    for path in NOTEBOOKS:
+        for target in re.findall(r"\]\(([^)]+\.ipynb)\)", path_line(path) or ""):
+            assert (path.parent / target).resolve().is_file(), f"{path.name}: {target}"
+
+
+def test_the_readme_lists_the_core_path_in_order():
+    readme = (ROOT / "README.md").read_text()
+    steps = [f"{i}. [{notebook_label(name)}]({name})" for i, name in enumerate(CORE_PATH, 1)]
+    found = [readme.find(step) for step in steps]
+    assert -1 not in found and found == sorted(found), [s for s, f in zip(steps, found, strict=True) if f == -1]
 
 
 def test_sync_bootstrap_inserts_updates_and_is_idempotent(tmp_path):

@@ -73,10 +73,16 @@ def test_recorded_times_claims_and_sample(tmp_path):
                            nbformat.v4.new_output("stream", name="stderr",
                                                   text="✗ C | D: 0.9x  <- does not hold on this machine\n")]
     nbformat.write(nb, paths[0])
+    core = tmp_path / notebooks.CORE_PATH[1]  # a core notebook's minutes count for `make core` too
+    core.parent.mkdir(parents=True)
+    nbformat.write(nb, core)
+    core_times = notebooks.recorded_times_table([core, *paths], root=tmp_path).splitlines()[-4:]
+    assert core_times[:2] == ["| core path (`make core`) | 2 | | | | |", "| lessons (`make course`) | 3 | | | | |"]
     times = notebooks.recorded_times_table(paths, root=tmp_path)
     assert "| `0.ipynb` | 1.5 | Test CPU (cpu) | 2 | 2.13.0 | 2026-12-01 |" in times
     assert "| `1.ipynb` | not recorded |" in times
-    assert times.splitlines()[-3:] == ["| lessons (`make course`) | 2 | | | | |",
+    assert times.splitlines()[-4:] == ["| core path (`make core`) | 0 | | | | |",
+                                       "| lessons (`make course`) | 2 | | | | |",
                                        "| solutions (`make solutions`) | 0 | | | | |", "| all | 2 | | | | |"]
     assert notebooks.notebook_claims(paths[0]) == [(True, "✓ A beats B: 2.0x"), (False, "✗ C | D: 0.9x")]
     claims = notebooks.claims_table(paths, root=tmp_path)
