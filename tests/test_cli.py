@@ -31,7 +31,7 @@ BAD_ARGUMENTS = [
     (["bench-train", "--warmup", "0"], "argument --warmup: invalid integer >= 1 value: '0'"),
     (["bench-train", "--accumulation", "x"], "argument --accumulation: invalid integer >= 1 value: 'x'"),
     (["run-notebooks", "--timeout", "0"], "argument --timeout: invalid integer >= 1 value: '0'"),
-    (["run-notebooks", "--core", "ch02_text/01_tokenization.ipynb"], "argument notebooks: not allowed with argument --core"),
+    (["run-notebooks", "--core", "ch02_text/01_tokenization.ipynb"], "not allowed with argument --core"),
 ]
 
 
