@@ -15,6 +15,7 @@ import argparse
 import base64
 import io
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -259,7 +260,69 @@ def paged_blocks():
     return fig
 
 
+def next_token_windows():
+    """A window's target is its input shifted by one token; the stride sets where the next window starts."""
+    fig, ax = _canvas(10.5, 3.6, (0, 21), (0, 7.2))
+    n, t, w = 12, 4, 1.35  # tokens shown, context T, box width
+    x0 = 2.9
+    ax.text(0.1, 6.35, "token ids", fontsize=9, va="center")
+    for i in range(n):
+        _box(ax, x0 + i * w, 6.0, w - 0.15, 0.7, f"t{i}", color="#EEEEEE", fontsize=8)
+    ax.text(0.1, 5.0, "window 0, T = 4", fontsize=9, va="center")
+    for i in range(t):
+        _box(ax, x0 + i * w, 4.75, w - 0.15, 0.55, f"x: t{i}", color="#CFE0F3", fontsize=7)
+        _box(ax, x0 + (i + 1) * w, 3.95, w - 0.15, 0.55, f"y: t{i + 1}", color="#F6D5BE", fontsize=7)
+        _arrow(ax, (x0 + i * w + 0.6, 4.72), (x0 + (i + 1) * w + 0.35, 4.53), color=ORANGE)
+    ax.text(x0 + (t + 1) * w + 0.3, 4.55, "input x = t0..t3, target y = t1..t4: position i predicts token i + 1,\n"
+            "so one window holds T predictions", fontsize=8, va="center")
+    for row, (stride, color, label) in enumerate(((t, BLUE, "stride T = 4"), (t // 2, GREEN, "stride T/2 = 2"))):
+        y = 2.4 - row * 1.5
+        ax.text(0.1, y + 0.2, label, fontsize=9, va="center")
+        for k, start in enumerate(range(0, n - t, stride)):
+            level = y + (0.45 if k % 2 else 0.0) * (stride < t)
+            ax.add_patch(Rectangle((x0 + start * w, level), t * w - 0.15, 0.35, facecolor=color, alpha=0.55,
+                                   edgecolor="black"))
+            ax.text(x0 + start * w + 0.1, level + 0.17, f"window {k}", fontsize=7, va="center")
+    ax.text(x0 + n * w + 0.3, 1.75, "T/2: twice the windows,\neach token read at two\npositions", fontsize=8,
+            va="center")
+    return fig
+
+
+def training_loop():
+    """One optimizer, a learning rate that depends on the step, batches in a seeded order: the loop around a step."""
+    fig, ax = _canvas(10.5, 3.7, (0, 21), (0, 7.4))
+    steps = [("next batch (x, y)\nShuffledBatches", "#EEEEEE"), ("forward\nlogits = model(x)", "#CFE0F3"),
+             ("loss\nF.cross_entropy", "#CFE0F3"), ("backward\nloss.backward()", "#F6D5BE"),
+             ("clip the gradients'\nglobal norm to 1", "#F6D5BE"), ("AdamW step\nat lr(step)", "#D5ECD9"),
+             ("zero_grad()", "#EEEEEE")]
+    w, h, gap = 2.7, 1.2, 0.25
+    for i, (text, color) in enumerate(steps):
+        x = 0.2 + i * (w + gap)
+        _box(ax, x, 5.6, w, h, text, color=color, fontsize=7)
+        if i < len(steps) - 1:
+            _arrow(ax, (x + w + 0.02, 6.2), (x + w + gap - 0.02, 6.2))
+    right = 0.2 + (len(steps) - 1) * (w + gap) + w / 2
+    ax.add_patch(FancyArrowPatch((right, 5.55), (1.55, 5.55), connectionstyle="arc3,rad=-0.12", arrowstyle="-|>",
+                                 mutation_scale=12, color="black", lw=1.2))
+    ax.text(10.5, 3.75, "step += 1, repeat for STEPS steps; AdamW's moments carry over from step to step",
+            ha="center", fontsize=8)
+    sx, sy, sw, sh = 13.4, 0.3, 6.5, 2.3  # the schedule: linear warm-up, then a cosine down to max_lr / 10
+    ax.add_patch(Rectangle((sx, sy), sw, sh, facecolor="white", edgecolor=GREY))
+    points = []
+    for k in range(101):
+        u = k / 100
+        lr = u / 0.1 if u < 0.1 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (u - 0.1) / 0.9))
+        points.append((sx + 0.2 + u * (sw - 0.4), sy + 0.2 + lr * (sh - 0.6)))
+    ax.plot(*zip(*points, strict=True), color=GREEN, lw=1.8)
+    ax.text(sx + sw / 2, sy + sh + 0.25, "lr(step): warm-up, then cosine to lr / 10", ha="center", fontsize=8)
+    ax.text(0.3, 1.4, "The Trainer runs this loop and adds what a real run needs:\n"
+            "micro-batches, mixed precision, evaluation, samples, checkpoints.", fontsize=8, va="center")
+    return fig
+
+
 FIGURES: dict[str, Callable[[], plt.Figure]] = {
+    "next_token_windows": next_token_windows,
+    "training_loop": training_loop,
     "causal_mask": causal_mask,
     "multi_head_split": multi_head_split,
     "transformer_block": transformer_block,

@@ -8,14 +8,19 @@ still runs from top to bottom. Each check returns True when the attempt is right
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from .inference.kv_cache import KVCache, kv_cache_bytes_per_token
+from .inference.kv_quant import kv_bytes_per_token_int8
 from .model.attention import CausalSelfAttention
 from .model.config import PRESETS, GPTConfig
 from .model.gpt import GPT
+from .model.rope import apply_rope
 from .text.bpe import BPETokenizer, gpt2_merges
+from .text.data import NextTokenDataset
 from .text.tokenizer import get_tokenizer
 
 
@@ -71,6 +76,47 @@ def check_tokens_per_number(answer: dict[int, int]) -> bool:
         return None
 
     return report("exercise 2.1.4, tokens per number", attempt)
+
+
+def check_target_counts(target_counts: Callable[[int, int, int], torch.Tensor]) -> bool:
+    """Chapter 2.2, exercise 1: `target_counts(n_tokens, context, stride)` is how many times each of the n tokens is
+    a target in one epoch of windows of `context` tokens, `stride` apart; checked against NextTokenDataset."""
+    def attempt() -> str | None:
+        for n, context, stride in ((200, 16, 1), (200, 16, 16), (203, 8, 3), (50, 49, 1)):
+            truth = torch.zeros(n, dtype=torch.long)
+            for _, targets in NextTokenDataset(torch.arange(n), context, stride):
+                truth[targets] += 1
+            mine = torch.as_tensor(target_counts(n, context, stride)).long()
+            if tuple(mine.shape) != (n,):
+                return f"for {n} tokens the counts have shape {tuple(mine.shape)}: one count per token"
+            if not torch.equal(mine, truth):
+                first = int((mine != truth).nonzero()[0])
+                return (f"{n} tokens, context {context}, stride {stride}: token {first} is a target "
+                        f"{int(truth[first])} times, yours says {int(mine[first])}")
+        return None
+
+    return report("exercise 2.2.1, stride 1", attempt)
+
+
+def check_sinusoids(sinusoids: Callable[[int, int], torch.Tensor]) -> bool:
+    """Chapter 2.2, exercise 3: `sinusoids(positions, d)` is the (positions, d) table of Vaswani et al. (2017):
+    column 2i holds sin(pos / 10000^(2i/d)), column 2i + 1 the cosine of the same angle."""
+    def attempt() -> str | None:
+        for positions, d in ((50, 16), (7, 6)):
+            angle = [[pos / 10000 ** (2 * (j // 2) / d) for j in range(d)] for pos in range(positions)]
+            truth = torch.tensor([[math.sin(a) if j % 2 == 0 else math.cos(a) for j, a in enumerate(row)]
+                                  for row in angle], dtype=torch.float64)
+            mine = torch.as_tensor(sinusoids(positions, d)).double()
+            if tuple(mine.shape) != (positions, d):
+                return f"sinusoids({positions}, {d}) has shape {tuple(mine.shape)}, not ({positions}, {d})"
+            gap = (mine - truth).abs().max().item()
+            if gap > 1e-6:
+                pos, col = divmod(int((mine - truth).abs().argmax()), d)
+                return (f"sinusoids({positions}, {d})[{pos}, {col}] is {mine[pos, col]:.6f}, the formula gives "
+                        f"{truth[pos, col]:.6f}: even columns sin, odd columns cos, both of pos / 10000^(2i/d)")
+        return None
+
+    return report("exercise 2.2.3, sinusoidal positions", attempt)
 
 
 def check_softmax_jacobian(softmax_jacobian: Callable[[torch.Tensor], torch.Tensor]) -> bool:
@@ -171,3 +217,164 @@ def check_residual_stds(residual_stds: Callable[[GPT, torch.Tensor], list[float]
         return None
 
     return report("exercise 4.1.2, the residual stream's growth", attempt)
+
+
+def check_copied_share(copied_share: Callable[[list[list[int]], torch.Tensor, int], float]) -> bool:
+    """Chapter 5.1, exercise 3: `copied_share(generated, train_ids, n)` is the share of the n-token windows of the
+    generated sequences (lists of token ids) that occur somewhere in the training tokens."""
+    generator = torch.Generator().manual_seed(0)
+    train = torch.randint(50, (3000,), generator=generator)
+    fresh = torch.randint(50, (40,), generator=generator).tolist()
+    generated = [train[100:140].tolist(), fresh, train[900:920].tolist() + fresh[:20], train[5:13].tolist(), [1, 2]]
+
+    def attempt() -> str | None:
+        for n in (8, 4):
+            seen = {tuple(train[i : i + n].tolist()) for i in range(len(train) - n + 1)}
+            windows = [tuple(seq[i : i + n]) for seq in generated for i in range(len(seq) - n + 1)]
+            truth = sum(w in seen for w in windows) / len(windows)
+            mine = float(copied_share(generated, train, n))
+            if abs(mine - truth) > 1e-9:
+                return (f"n = {n}: yours is {mine:.4f}, {sum(w in seen for w in windows)} of the {len(windows)} "
+                        f"windows of {n} tokens occur in the training tokens ({truth:.4f}); a sequence shorter than "
+                        "n has no window")
+        return None
+
+    return report("exercise 5.1.3, copied or composed", attempt)
+
+
+def check_min_p(min_p_filter: Callable[[torch.Tensor, float], torch.Tensor]) -> bool:
+    """Chapter 5.7, exercise 2: `min_p_filter(logits, min_p)` keeps, in each row, the tokens whose probability is at
+    least `min_p` times the row's largest, and sets the others' logits to -inf."""
+    logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(0)) * 3
+    logits[0] = 0.0  # every token equally likely: all are kept
+
+    def attempt() -> str | None:
+        for min_p in (0.05, 0.2, 0.9):
+            probs = logits.softmax(-1)
+            keep = probs >= min_p * probs.max(dim=-1, keepdim=True).values
+            mine = min_p_filter(logits.clone(), min_p)
+            if tuple(mine.shape) != tuple(logits.shape):
+                return f"the filtered logits have shape {tuple(mine.shape)}, not {tuple(logits.shape)}"
+            kept = torch.isfinite(mine)
+            if not torch.equal(kept, keep):
+                row = int((kept != keep).any(-1).nonzero()[0])
+                return (f"min_p {min_p}, row {row}: you keep {int(kept[row].sum())} tokens, the rule keeps "
+                        f"{int(keep[row].sum())} (probability >= min_p x the row's top probability)")
+            if not torch.equal(mine[keep], logits[keep]):
+                return f"min_p {min_p}: the kept tokens' logits changed; leave them as they are"
+        return None
+
+    return report("exercise 5.7.2, min-p", attempt)
+
+
+def check_chunked_prefill(prefill_in_chunks: Callable[[GPT, torch.Tensor, int], tuple[torch.Tensor, KVCache]]) -> bool:
+    """Chapter 6.1, exercise 1: `prefill_in_chunks(model, ids, chunk)` feeds the prompts `ids` (batch, P) through a
+    KVCache in chunks of `chunk` tokens and returns the logits at every position (batch, P, vocab) and the cache;
+    both must equal one whole-prompt pass's, in float64, for chunks of 1, 7, 16 and P tokens."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=256, context_length=64, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
+    model = GPT(config).double().eval()
+    ids = torch.randint(config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = model(ids)
+        one_pass = KVCache(config, 2, ids.size(1), torch.float64)
+        model(ids, cache=one_pass)
+
+    def attempt() -> str | None:
+        for chunk in (1, 7, 16, ids.size(1)):
+            logits, cache = prefill_in_chunks(model, ids, chunk)
+            if tuple(logits.shape) != tuple(whole.shape):
+                return f"with chunks of {chunk} the logits are {tuple(logits.shape)}, not {tuple(whole.shape)}"
+            if cache.length != ids.size(1):
+                return f"with chunks of {chunk} the cache holds {cache.length} positions, not {ids.size(1)}"
+            gap = (logits.double() - whole).abs().max().item()
+            if gap > 1e-10:
+                return (f"with chunks of {chunk} the logits differ from one pass without a cache by up to {gap:.1e}: "
+                        "feed every chunk, in order, through the same cache")
+            kv_gap = max((a[:, :, : ids.size(1)] - b).abs().max().item()
+                         for a, b in zip((*cache.keys, *cache.values), (*one_pass.keys, *one_pass.values), strict=True))
+            if kv_gap > 1e-10:
+                return f"with chunks of {chunk} the cached keys and values differ from one pass's by up to {kv_gap:.1e}"
+        return None
+
+    return report("exercise 6.1.1, prefill in chunks", attempt)
+
+
+def check_interleaved_rope(rope_interleaved: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> bool:
+    """Chapter 8.1, exercise 1: `rope_interleaved(x, positions, theta)` rotates each pair (2i, 2i+1) of x's last
+    dimension by positions * theta^(-2i/d), RoFormer's layout; once a head's dimensions are ordered
+    0, d/2, 1, d/2 + 1, ... it equals `helpers.model.rope.apply_rope` (the pairs (i, i + d/2)), in float64."""
+    generator = torch.Generator().manual_seed(0)
+
+    def reference(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+        d = x.size(-1)
+        angles = positions.double()[:, None] * theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+        angles = torch.cat([angles, angles], dim=-1)
+        return apply_rope(x, angles.cos(), angles.sin())
+
+    def attempt() -> str | None:
+        for head_dim, seq, theta in ((16, 40, 10000.0), (8, 12, 500000.0)):
+            half = head_dim // 2
+            order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).flatten()
+            x = torch.randn(2, 3, seq, head_dim, dtype=torch.float64, generator=generator)
+            positions = torch.arange(seq)
+            truth = reference(x, positions, theta)[..., order]
+            mine = rope_interleaved(x[..., order], positions, theta)
+            if tuple(mine.shape) != tuple(truth.shape):
+                return f"for x of shape {tuple(x.shape)} yours returns {tuple(mine.shape)}"
+            gap = (mine.double() - truth).abs().max().item()
+            if torch.allclose(mine.double(), x[..., order]):
+                return "it returns x unchanged: turn each pair (2i, 2i+1) by positions * theta**(-2i/d)"
+            if gap > 1e-10:
+                return (f"head_dim {head_dim}, theta {theta:g}: off by up to {gap:.1e}; each pair (2i, 2i+1) turns "
+                        "by positions * theta**(-2i/d): (x_2i cos - x_2i+1 sin, x_2i sin + x_2i+1 cos)")
+        return None
+
+    return report("exercise 8.1.1, interleaved RoPE", attempt)
+
+
+def check_cache_bytes(cache_bytes_per_token: Callable[[GPTConfig, str], int]) -> bool:
+    """Chapter 6.1, exercise 3: `cache_bytes_per_token(config, fmt)` is what one token adds to a GPT-2 model's KV
+    cache with keys and values stored as "float32", "bfloat16", or "int8" with a float32 scale per head and position
+    (for the key and for the value), for GPT-2 small to XL; checked against the course's caches."""
+    truths = {"float32": lambda c: kv_cache_bytes_per_token(c, torch.float32),
+              "bfloat16": lambda c: kv_cache_bytes_per_token(c, torch.bfloat16),
+              "int8": kv_bytes_per_token_int8}
+
+    def attempt() -> str | None:
+        for name in ("gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl"):
+            for fmt, truth in truths.items():
+                mine, expected = cache_bytes_per_token(PRESETS[name], fmt), truth(PRESETS[name])
+                if mine != expected:
+                    return (f"{name} in {fmt}: yours is {mine:,} bytes per token, the cache stores {expected:,} "
+                            "(a key and a value per layer; int8 adds each one's scales)")
+        return None
+
+    return report("exercise 6.1.3, a smaller cache", attempt)
+
+
+LLAMA3_8B_PARAMETERS = 8_030_261_248  # Meta's Llama-3-8B, as transformers' LlamaForCausalLM counts it
+
+
+def check_llama3_8b(config: GPTConfig | None) -> bool:
+    """Chapter 8.1, exercise 3: `config` is Llama-3-8B as a GPTConfig: the published parameter count (built on the
+    meta device), 131,072 KV-cache bytes per token in bfloat16, and LLaMA's norm, positions and feed-forward."""
+    def attempt() -> str | None:
+        if config is None:
+            raise NotImplementedError
+        with torch.device("meta"):
+            count = GPT(config).num_parameters()
+        if count != LLAMA3_8B_PARAMETERS:
+            return (f"{count:,} parameters, Llama-3-8B has {LLAMA3_8B_PARAMETERS:,} "
+                    f"({count - LLAMA3_8B_PARAMETERS:+,}): check the SwiGLU width (ffn_hidden), the biases and the "
+                    "untied head")
+        kv = kv_cache_bytes_per_token(config, torch.bfloat16)
+        if kv != 131_072:
+            return f"{kv:,} KV-cache bytes per token in bfloat16, Llama-3-8B stores 131,072: 8 key/value heads of 128"
+        shape = {"norm": "rmsnorm", "position_encoding": "rope", "ffn_type": "swiglu", "rope_theta": 500000.0}
+        wrong = {key: getattr(config, key) for key, value in shape.items() if getattr(config, key) != value}
+        if wrong:
+            return f"the parameters match, but {wrong}: Llama 3 has {shape}"
+        return None
+
+    return report("exercise 8.1.3, Llama-3-8B counted", attempt)

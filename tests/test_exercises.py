@@ -2,11 +2,15 @@
 and the starter cell as given (NotImplementedError) is told what to do."""
 
 import codecs
+import dataclasses
+import math
 
 import pytest
 import torch
 
 from helpers import exercises
+from helpers.inference.kv_cache import KVCache
+from helpers.model.config import GPTConfig
 from helpers.model.gpt import swiglu_hidden_dim
 from helpers.text.tokenizer import get_tokenizer
 
@@ -31,6 +35,19 @@ def tokens_per_number(numbers):
         k = len(gpt2.encode_ordinary(f" {n}"))
         counts[k] = counts.get(k, 0) + 1
     return counts
+
+
+def target_counts(n, context, stride):
+    starts = torch.arange(0, n - context, stride)  # window s predicts tokens s + 1 .. s + context
+    return torch.bincount((starts[:, None] + torch.arange(1, context + 1)).flatten(), minlength=n)
+
+
+def sinusoids(positions, d):
+    pos = torch.arange(positions, dtype=torch.float64)[:, None]
+    freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float64) / d)
+    table = torch.zeros(positions, d, dtype=torch.float64)
+    table[:, 0::2], table[:, 1::2] = torch.sin(pos * freq), torch.cos(pos * freq)
+    return table
 
 
 def softmax_jacobian(scores):
@@ -63,6 +80,52 @@ def residual_stds(model, ids):
     return stds
 
 
+def copied_share(generated, train_ids, n):
+    seen = {tuple(train_ids[i : i + n].tolist()) for i in range(len(train_ids) - n + 1)}
+    windows = [tuple(seq[i : i + n]) for seq in generated for i in range(len(seq) - n + 1)]
+    return sum(w in seen for w in windows) / len(windows)
+
+
+def min_p_filter(logits, min_p):
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+
+
+def prefill_in_chunks(model, ids, chunk):
+    cache = KVCache(model.config, ids.size(0), ids.size(1), torch.float64)
+    with torch.no_grad():
+        logits = [model(ids[:, s : s + chunk], cache=cache) for s in range(0, ids.size(1), chunk)]
+    return torch.cat(logits, dim=1), cache
+
+
+def prefill_each_chunk_alone(model, ids, chunk):  # a fresh cache per chunk: later chunks see none of the earlier
+    logits = []
+    for s in range(0, ids.size(1), chunk):
+        cache = KVCache(model.config, ids.size(0), ids.size(1), torch.float64)
+        with torch.no_grad():
+            logits.append(model(ids[:, s : s + chunk], cache=cache))
+    return torch.cat(logits, dim=1), cache
+
+
+def rope_interleaved(x, positions, theta):
+    d = x.size(-1)
+    angles = positions.double()[:, None] * theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+
+
+def cache_bytes_per_token(config, fmt):
+    if fmt == "int8":  # an int8 number per dimension, a float32 scale per head, for the key and the value
+        return 2 * config.n_layers * (config.d_model + 4 * config.n_heads)
+    return 2 * config.n_layers * config.d_model * {"float32": 4, "bfloat16": 2}[fmt]
+
+
+LLAMA3_8B = GPTConfig(vocab_size=128256, context_length=8192, d_model=4096, n_heads=32, n_layers=32, n_kv_heads=8,
+                      ffn_hidden=14336, norm="rmsnorm", position_encoding="rope", ffn_type="swiglu", bias=False,
+                      tie_weights=False, rope_theta=500000.0, dropout=0.0)
+
+
 def not_attempted(*args):
     raise NotImplementedError
 
@@ -71,12 +134,24 @@ CASES = [  # check, a reference answer, a wrong one, a phrase of the message the
     (exercises.check_stream_decode, stream_decode, stream_decode_each_token, "holds U+FFFD"),
     (exercises.check_tokens_per_number, tokens_per_number(range(10_000)), tokens_per_number(range(1, 10_000)),
      "cover 9,999 numbers"),
+    (exercises.check_target_counts, target_counts, lambda n, c, s: torch.full((n,), c // s), "is a target"),
+    (exercises.check_sinusoids, sinusoids, lambda p, d: sinusoids(p, d)[:, [*range(1, d, 2), *range(0, d, 2)]],
+     "even columns sin"),
     (exercises.check_softmax_jacobian, softmax_jacobian, lambda s: torch.diag(s.softmax(-1) * (1 - s.softmax(-1))),
      "differs from autograd"),
     (exercises.check_dependence, dependence, lambda layer, x: dependence(layer, x).T, "transposed"),
     (exercises.check_parameter_count, parameter_count, lambda c: parameter_count(c) - int(c.bias) * c.d_model,
      "the model has"),
     (exercises.check_residual_stds, residual_stds, lambda model, ids: residual_stds(model, ids)[1:], "one per block"),
+    (exercises.check_copied_share, copied_share,  # a wrong one: windows counted per sequence, short ones as 0
+     lambda g, t, n: sum(copied_share([q], t, n) if len(q) >= n else 0.0 for q in g) / len(g), "occur in"),
+    (exercises.check_min_p, min_p_filter, lambda x, p: min_p_filter(x, p * 2), "the rule keeps"),
+    (exercises.check_chunked_prefill, prefill_in_chunks, prefill_each_chunk_alone, "the cache holds 1 positions"),
+    (exercises.check_interleaved_rope, rope_interleaved, lambda x, p, theta: rope_interleaved(x, p, 10000.0),
+     "theta 500000"),
+    (exercises.check_cache_bytes, cache_bytes_per_token,
+     lambda c, fmt: 2 * c.n_layers * c.d_model if fmt == "int8" else cache_bytes_per_token(c, fmt), "scales"),
+    (exercises.check_llama3_8b, LLAMA3_8B, dataclasses.replace(LLAMA3_8B, ffn_hidden=None), "SwiGLU width"),
 ]
 
 
@@ -88,7 +163,7 @@ def test_a_check_accepts_the_reference_answer_and_says_what_is_wrong_with_anothe
     assert not check(wrong)
     out = capsys.readouterr().out
     assert out.startswith("Not yet (exercise ") and phrase in out
-    assert not check(not_attempted if callable(right) else {})
+    assert not check(not_attempted if callable(right) else None if isinstance(right, GPTConfig) else {})
     assert capsys.readouterr().out.startswith("To do (exercise ")
 
 
