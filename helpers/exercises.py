@@ -307,6 +307,7 @@ def check_interleaved_rope(rope_interleaved: Callable[[torch.Tensor, torch.Tenso
     generator = torch.Generator().manual_seed(0)
 
     def reference(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+        """apply_rope with float64 angles (rope_angles computes them in float32, 1e-7 off a float64 answer)."""
         d = x.size(-1)
         angles = positions.double()[:, None] * theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
         angles = torch.cat([angles, angles], dim=-1)
@@ -322,9 +323,9 @@ def check_interleaved_rope(rope_interleaved: Callable[[torch.Tensor, torch.Tenso
             mine = rope_interleaved(x[..., order], positions, theta)
             if tuple(mine.shape) != tuple(truth.shape):
                 return f"for x of shape {tuple(x.shape)} yours returns {tuple(mine.shape)}"
-            gap = (mine.double() - truth).abs().max().item()
             if torch.allclose(mine.double(), x[..., order]):
                 return "it returns x unchanged: turn each pair (2i, 2i+1) by positions * theta**(-2i/d)"
+            gap = (mine.double() - truth).abs().max().item()
             if gap > 1e-10:
                 return (f"head_dim {head_dim}, theta {theta:g}: off by up to {gap:.1e}; each pair (2i, 2i+1) turns "
                         "by positions * theta**(-2i/d): (x_2i cos - x_2i+1 sin, x_2i sin + x_2i+1 cos)")
