@@ -1,12 +1,13 @@
 """Speculative decoding against the target alone: greedy tokens identical (float64), sampled tokens distributed as
-the target's (chi-square over many seeds), the rejection rule against its closed form, and bad input refused."""
+the target's (chi-square over many seeds), the rejection rule against its closed form, the draft's distillation
+loss against torch.distributions' KL divergence, and bad input refused."""
 
 import pytest
 import torch
 
 from helpers import GPT, GPTConfig
 from helpers.inference.kv_cache import KVCache
-from helpers.inference.speculative import accept_or_resample, speculative_generate
+from helpers.inference.speculative import accept_or_resample, distillation_loss, speculative_generate
 from helpers.model.decoding import Sampling
 
 VOCAB = 37
@@ -138,3 +139,41 @@ def test_truncating_a_cache_refuses_to_grow_it():
     assert cache.length == 2
     with pytest.raises(ValueError, match="can truncate the cache to 0 .. 2 positions, not 3"):
         cache.truncate(3)
+
+
+def test_distillation_loss_is_the_kl_divergence_from_the_targets_distribution():
+    torch.manual_seed(0)
+    draft_logits, target_logits = torch.randn(3, 5, VOCAB, dtype=torch.float64), torch.randn(3, 5, VOCAB) * 3
+    reference = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=target_logits.double()),
+                                                  torch.distributions.Categorical(logits=draft_logits)).mean()
+    loss = distillation_loss(draft_logits, target_logits)
+    assert loss.dtype == torch.float64 and torch.allclose(loss, reference, rtol=1e-12)
+    assert distillation_loss(target_logits + 7.0, target_logits).abs() < 1e-6  # the same distribution: zero
+    with pytest.raises(ValueError, match="must have the same shape"):
+        distillation_loss(draft_logits[:, :4], target_logits)
+
+
+def test_distilling_a_draft_raises_its_acceptance(models):
+    """The reason to distil: a few steps on the target's distribution make a random draft agree with it."""
+    target, draft = models
+    student = GPT(DRAFT).double()
+    student.load_state_dict(draft.state_dict())
+    prompts = [torch.tensor([[1, 2, 3]]), torch.tensor([[5, 9, 20, 30]])]
+
+    def acceptance():
+        stats = [speculative_generate(target, student.eval(), prompt, 60, k=4)[1] for prompt in prompts]
+        return sum(s.accepted for s in stats) / sum(s.proposed for s in stats)
+
+    before = acceptance()
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        windows = torch.randint(0, VOCAB, (8, 32), generator=generator)
+        with torch.no_grad():
+            target_logits = target(windows)
+        loss = distillation_loss(student.train()(windows), target_logits)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    after = acceptance()
+    assert before < 0.5 and after > 0.9, (before, after)

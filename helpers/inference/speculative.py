@@ -57,6 +57,21 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, draft_token: int,
     return False, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
 
 
+def distillation_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per position, averaged, for the target's distribution p and the draft's q, from logits of the same
+    shape (..., vocab); computed in float32 at least. What a draft is for is agreeing with its target: greedy keeps a
+    draft token when both argmaxes agree, and sampling keeps a fraction 1 - TV(p, q) of them, so training the draft
+    on p itself (DistillSpec, Zhou et al. 2023) raises acceptance where training on the text only approximates it.
+    Pass target logits computed without gradients: only the draft learns."""
+    if draft_logits.shape != target_logits.shape:
+        raise ValueError(f"draft logits {tuple(draft_logits.shape)} and target logits {tuple(target_logits.shape)} "
+                         "must have the same shape: run both models on the same token windows")
+    dtype = torch.promote_types(draft_logits.dtype, torch.float32)
+    log_p = F.log_softmax(target_logits.to(dtype), dim=-1)
+    log_q = F.log_softmax(draft_logits.to(dtype), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+
 def _probabilities(sampling: Sampling, logits: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
     """(positions, vocab) probabilities of `sampling` for logits (positions, vocab); position j's context is
     `context` plus the first j of the tokens the logits follow (only the penalties read it)."""
