@@ -184,14 +184,20 @@ def widget_text(view: dict, state: dict) -> str | None:
     return " ".join(t.replace("\u2007", " ").strip() for t in texts) or None
 
 
+FINISHED_BAR = re.compile(r"^.*\b100%.*?\b(\d+)/\1\b.*\n?", re.M)  # tqdm's last redraw: 100% ... n/n
+
+
 def clean_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """Keep the final state of every progress bar: consecutive stream outputs merged and their carriage-return
-    redraws collapsed; widget bars (which show as nothing on GitHub) replaced by their final text; no widget
-    state left in the metadata."""
+    """What a reader of the saved notebook needs from its streams: consecutive stream outputs merged and their
+    carriage-return redraws collapsed; widget bars (which show as nothing on GitHub) read as their final text; then
+    finished progress bars dropped from stderr (they say only that a loop ended; one that stopped early stays) and
+    empty streams dropped; no widget state left in the metadata."""
     widgets = nb.metadata.pop("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
     for cell in nb.cells:
+        if "outputs" not in cell:
+            continue
         outputs = []
-        for out in cell.get("outputs", []):
+        for out in cell.outputs:
             view = out.get("data", {}).get("application/vnd.jupyter.widget-view+json")
             text = widget_text(view, widgets) if view is not None else None
             if text is not None:  # a progress bar; another widget keeps its text fallback
@@ -200,17 +206,27 @@ def clean_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
                 del out.data["application/vnd.jupyter.widget-view+json"]
                 if not out.data:
                     continue
-            if out.output_type == "stream" and outputs and outputs[-1].output_type == "stream" \
-                    and outputs[-1].name == out.name:
-                outputs[-1].text += out.text
-            else:
-                outputs.append(out)
+            outputs.append(out)
+        outputs = _merge_streams(outputs)
         for out in outputs:
             if out.output_type == "stream":
                 out.text = terminal_text(out.text)
-        if "outputs" in cell:
-            cell.outputs = outputs
+                if out.name == "stderr":
+                    out.text = FINISHED_BAR.sub("", out.text)
+        cell.outputs = _merge_streams([out for out in outputs if out.output_type != "stream" or out.text.strip()])
     return nb
+
+
+def _merge_streams(outputs: list) -> list:
+    """Consecutive outputs of the same stream as one (the first one takes the text of those after it)."""
+    merged = []
+    for out in outputs:
+        if out.output_type == "stream" and merged and merged[-1].output_type == "stream" \
+                and merged[-1].name == out.name:
+            merged[-1].text += out.text
+        else:
+            merged.append(out)
+    return merged
 
 
 VIRTUAL_DEVICE_SOURCE = """\

@@ -68,6 +68,8 @@ FUNCTION_MARKERS = {
     "test_bootstrap_shows_pips_progress_and_says_why_an_install_failed": ("subprocess", "versionless"),
     "test_bootstrap_installs_only_the_clone_the_first_cell_made": ("versionless",),
     "test_terminal_text_keeps_the_last_redraw_of_each_line": ("versionless",),
+    "test_clean_outputs_keeps_what_a_reader_needs_from_the_streams": ("versionless",),
+    "test_a_widget_bar_is_read_as_its_final_text": ("versionless",),
     "test_run_notebooks_records_a_stuck_or_dead_notebook_and_runs_the_next": ("subprocess", "serial"),
     "test_bad_arguments_are_usage_errors": ("versionless",),
     "test_scale_defaults_are_written_once_and_shown_by_help": ("versionless",),

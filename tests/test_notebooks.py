@@ -22,6 +22,7 @@ from helpers.notebooks import (
     path_line,
     sync_bootstrap,
     terminal_text,
+    widget_text,
 )
 from helpers.system.files import CACHE_ENV
 
@@ -128,15 +129,19 @@ def test_terminal_text_keeps_the_last_redraw_of_each_line():
     assert terminal_text("a\r\nb") == "a\nb"  # a bare carriage return at the end erases nothing
 
 
-def test_clean_outputs_merges_streams_and_turns_widget_bars_into_their_final_text():
+def test_clean_outputs_keeps_what_a_reader_needs_from_the_streams():
+    """Redraws collapsed, widget bars read as text, finished bars and emptied streams dropped, a warning and a bar
+    that stopped early kept, and the streams on either side of a dropped one merged."""
     nb = nbformat.v4.new_notebook()
     widget = {"model_id": "box", "version_major": 2, "version_minor": 0}
     nb.cells = [nbformat.v4.new_code_cell("run()", outputs=[
         nbformat.v4.new_output("stream", name="stderr", text="\rtrain: 0%"),
-        nbformat.v4.new_output("stream", name="stderr", text="\rtrain: 100% 4/4\n"),
+        nbformat.v4.new_output("stream", name="stderr", text="\rtrain: 100%|##| 4/4 [00:01<00:00, loss=2.1]\n"),
         nbformat.v4.new_output("stream", name="stdout", text="done\n"),
         nbformat.v4.new_output("display_data", data={"application/vnd.jupyter.widget-view+json": widget,
                                                      "text/plain": "load: 0%"}),
+        nbformat.v4.new_output("stream", name="stdout", text="then\n"),
+        nbformat.v4.new_output("stream", name="stderr", text="UserWarning: look\n\rsweep: 50% 1/2\n"),
     ])]
     state = {"box": {"model_name": "HBoxModel", "state": {"children": ["IPY_MODEL_l", "IPY_MODEL_p", "IPY_MODEL_r"]}},
              "l": {"model_name": "HTMLModel", "state": {"value": "load:\u2007100%"}},
@@ -144,9 +149,16 @@ def test_clean_outputs_merges_streams_and_turns_widget_bars_into_their_final_tex
              "r": {"model_name": "HTMLModel", "state": {"value": "\u20073/3\u2007[00:01&lt;00:00]"}}}
     nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": state}}
     outputs = clean_outputs(nb).cells[0].outputs
-    assert [(o.name, o.text) for o in outputs] == [("stderr", "train: 100% 4/4\n"), ("stdout", "done\n"),
-                                                   ("stderr", "load: 100% 3/3 [00:01<00:00]\n")]
+    assert [(o.name, o.text) for o in outputs] == [("stdout", "done\nthen\n"),
+                                                   ("stderr", "UserWarning: look\nsweep: 50% 1/2\n")]
     assert "widgets" not in nb.metadata
+
+
+def test_a_widget_bar_is_read_as_its_final_text():
+    state = {"box": {"model_name": "HBoxModel", "state": {"children": ["IPY_MODEL_l", "IPY_MODEL_r"]}},
+             "l": {"model_name": "HTMLModel", "state": {"value": "load:\u2007100%"}},
+             "r": {"model_name": "HTMLModel", "state": {"value": "\u20073/3\u2007[00:01&lt;00:00]"}}}
+    assert widget_text({"model_id": "box"}, state) == "load: 100% 3/3 [00:01<00:00]"
 
 
 def test_the_readme_links_every_lesson_to_colab():
