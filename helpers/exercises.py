@@ -17,6 +17,7 @@ from .inference.kv_cache import KVCache, kv_cache_bytes_per_token
 from .inference.kv_quant import kv_bytes_per_token_int8
 from .model.attention import CausalSelfAttention
 from .model.config import PRESETS, GPTConfig
+from .model.decoding import beam_search
 from .model.gpt import GPT
 from .model.rope import apply_rope
 from .text.bpe import BPETokenizer, gpt2_merges
@@ -240,6 +241,33 @@ def check_copied_share(copied_share: Callable[[list[list[int]], torch.Tensor, in
         return None
 
     return report("exercise 5.1.3, copied or composed", attempt)
+
+
+def check_beam_search(attempt_search: Callable[[GPT, torch.Tensor, int, int], torch.Tensor]) -> bool:
+    """Chapter 5.7, exercise 1: `beam_search(model, idx, max_new_tokens, beams)` continues one prompt (1, seq) as
+    `helpers.model.decoding.beam_search` does: keep the `beams` sequences with the largest summed log-probability
+    at every step, return the best at the end, (1, seq + max_new_tokens)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=7, context_length=24, d_model=16, n_heads=2, n_layers=2, dropout=0.0)).double()
+    model.eval()
+    prompts = [torch.tensor([[3]]), torch.tensor([[2, 4]]), torch.tensor([[5, 1, 6, 0]])]
+
+    def attempt() -> str | None:
+        for beams in (1, 2, 4):
+            for prompt in prompts:
+                truth = beam_search(model, prompt, 6, beams)
+                with torch.no_grad():
+                    mine = attempt_search(model, prompt.clone(), 6, beams)
+                if tuple(mine.shape) != tuple(truth.shape):
+                    return (f"beams {beams}, prompt {prompt.tolist()[0]}: the result has shape {tuple(mine.shape)}, "
+                            f"not {tuple(truth.shape)} (the prompt and the new tokens)")
+                if not torch.equal(mine.cpu(), truth):
+                    return (f"beams {beams}, prompt {prompt.tolist()[0]}: you return {mine[0].tolist()}, beam search "
+                            f"keeps {truth[0].tolist()} (rank the sequences by the sum of their new tokens' "
+                            "log-probabilities)")
+        return None
+
+    return report("exercise 5.7.1, beam search", attempt)
 
 
 def check_min_p(min_p_filter: Callable[[torch.Tensor, float], torch.Tensor]) -> bool:

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 from helpers import GPT, GPTConfig
 from helpers.inference.kv_cache import generate_with_cache
 from helpers.measure.text_quality import distinct_n, known_word_fraction, repetition_rate, self_perplexity, words
-from helpers.model.decoding import Sampling
+from helpers.model.decoding import Sampling, beam_search
 
 VOCAB = 101
 TINY = GPTConfig(vocab_size=VOCAB, context_length=48, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
@@ -154,3 +154,43 @@ def test_self_perplexity_is_the_models_likelihood_token_by_token():
     assert self_perplexity(model, seqs, prompt_len=3) == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-9)
     with pytest.raises(ValueError, match="prompt_len must be in"):
         self_perplexity(model, seqs, prompt_len=seqs.size(1))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=5, context_length=16, d_model=16, n_heads=2, n_layers=1, dropout=0.0)).double()
+
+
+def test_one_beam_is_greedy_decoding(tiny_model):
+    prompt = torch.tensor([[1, 3, 0]])
+    assert torch.equal(beam_search(tiny_model, prompt, 6, beams=1), tiny_model.generate(prompt, 6))
+
+
+def continuation_log_prob(model, sequence, prompt_len):
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(sequence[:, :-1]).double(), dim=-1)[0]
+    new = sequence[0, prompt_len:]
+    return log_probs[torch.arange(prompt_len - 1, sequence.size(1) - 1), new].sum().item()
+
+
+def test_enough_beams_find_the_most_likely_continuation_of_all(tiny_model):
+    """vocab ** (n - 1) beams keep every prefix, so beam search is exhaustive: checked against all 5**3 sequences."""
+    prompt, n = torch.tensor([[2, 4]]), 3
+    every = torch.cartesian_prod(*[torch.arange(5)] * n)
+    scores = [continuation_log_prob(tiny_model, torch.cat([prompt, c[None]], dim=1), 2) for c in every]
+    best = every[max(range(len(scores)), key=scores.__getitem__)]
+    assert torch.equal(beam_search(tiny_model, prompt, n, beams=5 ** (n - 1))[0, 2:], best)
+    greedy = tiny_model.generate(prompt, n)  # here greedy misses it: the search is what finds it
+    assert continuation_log_prob(tiny_model, greedy, 2) < max(scores) - 1e-9
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(beams=0), "beams must be a positive integer"),
+    (dict(idx=torch.zeros(2, 3, dtype=torch.long)), "one prompt at a time"),
+    (dict(max_new_tokens=14), "exceed the context length 16"),
+])
+def test_beam_search_refuses_bad_arguments(tiny_model, kwargs, message):
+    args = dict(idx=torch.zeros(1, 3, dtype=torch.long), max_new_tokens=4, beams=2) | kwargs
+    with pytest.raises(ValueError, match=message):
+        beam_search(tiny_model, **args)

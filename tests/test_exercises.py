@@ -126,6 +126,28 @@ LLAMA3_8B = GPTConfig(vocab_size=128256, context_length=8192, d_model=4096, n_he
                       tie_weights=False, rope_theta=500000.0, dropout=0.0)
 
 
+def beam_search(model, idx, max_new_tokens, beams):  # the exercise's answer, as a learner would write it
+    sequences, scores = idx, torch.zeros(1, dtype=torch.float64)
+    for _ in range(max_new_tokens):
+        log_probs = torch.log_softmax(model(sequences)[:, -1].double(), dim=-1)
+        candidates = [(scores[i] + log_probs[i, t], i, t)
+                      for i in range(len(sequences)) for t in range(log_probs.size(1))]
+        kept = sorted(candidates, key=lambda c: -c[0])[:beams]
+        sequences = torch.stack([torch.cat([sequences[i], torch.tensor([t])]) for _, i, t in kept])
+        scores = torch.stack([score for score, _, _ in kept])
+    return sequences[:1]
+
+
+def beam_search_by_mean(model, idx, max_new_tokens, beams):  # wrong: ranks by each step's log-probability alone
+    sequences = idx
+    for _ in range(max_new_tokens):
+        log_probs = torch.log_softmax(model(sequences)[:, -1].double(), dim=-1)
+        candidates = [(log_probs[i, t], i, t) for i in range(len(sequences)) for t in range(log_probs.size(1))]
+        kept = sorted(candidates, key=lambda c: -c[0])[:beams]
+        sequences = torch.stack([torch.cat([sequences[i], torch.tensor([t])]) for _, i, t in kept])
+    return sequences[:1]
+
+
 def not_attempted(*args):
     raise NotImplementedError
 
@@ -146,6 +168,7 @@ CASES = [  # check, a reference answer, a wrong one, a phrase of the message the
     (exercises.check_copied_share, copied_share,  # a wrong one: windows counted per sequence, short ones as 0
      lambda g, t, n: sum(copied_share([q], t, n) if len(q) >= n else 0.0 for q in g) / len(g), "occur in"),
     (exercises.check_min_p, min_p_filter, lambda x, p: min_p_filter(x, p * 2), "the rule keeps"),
+    (exercises.check_beam_search, beam_search, beam_search_by_mean, "beam search keeps"),
     (exercises.check_chunked_prefill, prefill_in_chunks, prefill_each_chunk_alone, "the cache holds 1 positions"),
     (exercises.check_interleaved_rope, rope_interleaved, lambda x, p, theta: rope_interleaved(x, p, 10000.0),
      "theta 500000"),

@@ -134,3 +134,34 @@ class Sampling:
 
 
 GREEDY = Sampling()  # the default of every decoder: the argmax, no penalties
+
+
+@torch.no_grad()
+def beam_search(model: torch.nn.Module, idx: torch.Tensor, max_new_tokens: int, beams: int) -> torch.Tensor:
+    """The prompt idx (1, seq) continued by `max_new_tokens` tokens: at every step each of the `beams` kept
+    sequences is extended by every token, and the `beams` extensions with the largest summed log-probability of
+    their new tokens are kept; returns the best one at the end, (1, seq + max_new_tokens). One beam is greedy
+    decoding; enough beams (vocab ** (max_new_tokens - 1)) search every continuation. Recomputes every sequence
+    without a cache: a reference, not a server."""
+    vocab_size = model.config.vocab_size
+    check_prompt(idx, vocab_size)
+    check_decoding(max_new_tokens, GREEDY, vocab_size)
+    if idx.size(0) != 1:
+        raise ValueError(f"beam search here continues one prompt at a time, got a batch of {idx.size(0)}")
+    if isinstance(beams, bool) or not isinstance(beams, int) or beams < 1:
+        raise ValueError(f"beams must be a positive integer, got {beams!r}")
+    if idx.size(1) + max_new_tokens > model.config.context_length:
+        raise ValueError(f"a prompt of {idx.size(1)} tokens and {max_new_tokens} new tokens exceed the context length "
+                         f"{model.config.context_length}; shorten the prompt or generate fewer tokens")
+    was_training = model.training
+    model.eval()
+    try:
+        sequences, scores = idx, torch.zeros(1, dtype=torch.float64, device=idx.device)
+        for _ in range(max_new_tokens):
+            log_probs = F.log_softmax(model(sequences)[:, -1].double(), dim=-1)  # (kept, vocab)
+            totals = (scores[:, None] + log_probs).flatten()
+            scores, best = totals.topk(min(beams, totals.numel()))  # sorted, largest first
+            sequences = torch.cat([sequences[best // vocab_size], (best % vocab_size)[:, None]], dim=1)
+        return sequences[:1]
+    finally:
+        model.train(was_training)
