@@ -161,7 +161,8 @@ def beam_search(model: torch.nn.Module, idx: torch.Tensor, max_new_tokens: int, 
             log_probs = F.log_softmax(model(sequences)[:, -1].double(), dim=-1)  # (kept, vocab)
             totals = (scores[:, None] + log_probs).flatten()
             scores, best = totals.topk(min(beams, totals.numel()))  # sorted, largest first
-            sequences = torch.cat([sequences[best // vocab_size], (best % vocab_size)[:, None]], dim=1)
+            width = log_probs.size(-1)  # the head's rows: which kept sequence, which token
+            sequences = torch.cat([sequences[best // width], (best % width)[:, None]], dim=1)
         return sequences[:1]
     finally:
         model.train(was_training)
