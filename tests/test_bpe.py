@@ -1,9 +1,20 @@
 """Byte-level BPE from scratch: a hand-worked example, lossless round trips, and GPT-2's merges giving tiktoken's
 tokens (the same algorithm)."""
 
-import pytest
+from collections import Counter
 
-from helpers.text.bpe import BPETokenizer, gpt2_byte_characters, gpt2_merges, merge, pair_counts, train_bpe
+import pytest
+import regex
+
+from helpers.text.bpe import (
+    GPT2_PATTERN,
+    BPETokenizer,
+    gpt2_byte_characters,
+    gpt2_merges,
+    merge,
+    pair_counts,
+    train_bpe,
+)
 from helpers.text.data import load_corpus
 from helpers.text.tokenizer import ENDOFTEXT, get_tokenizer
 
@@ -42,6 +53,29 @@ def test_training_is_deterministic_and_lossless_on_the_corpus():
     assert len(ids) < 0.6 * len(text.encode("utf-8"))  # 144 merges already save over 40% of the bytes
     for s in TRICKY[:-2] + TRICKY[-1:]:
         assert a.decode(a.encode(s)) == s, repr(s)
+
+
+def recount_every_round(text: str, vocab_size: int, pattern: str) -> list[tuple[int, int]]:
+    """The reference: chapter 2's loop, which recounts every pair of every chunk before each merge."""
+    chunks = {tuple(word.encode("utf-8")): n for word, n in Counter(regex.findall(pattern, text)).items()}
+    merges = []
+    for new in range(256, vocab_size):
+        counts = pair_counts(chunks)
+        best = min(counts, key=lambda p: (-counts[p], p), default=None)
+        if best is None or counts[best] < 2:
+            break
+        merges.append(best)
+        chunks = {merge(c, best, new): n for c, n in chunks.items()}
+    return merges
+
+
+@pytest.mark.parametrize(("pattern", "chars", "vocab_size"), [(GPT2_PATTERN, 30_000, 856), (r"(?s).+", 8_000, 556)],
+                         ids=["chunks", "one chunk"])
+def test_incremental_counts_learn_the_merges_of_recounting_every_round(pattern, chars, vocab_size):
+    """Kept-up-to-date counts and a heap with stale entries must pick the same pair, ties included, every round:
+    over a slice of the corpus, with GPT-2's chunks and with the whole text as one chunk."""
+    text = load_corpus()[:chars]
+    assert train_bpe(text, vocab_size, pattern=pattern).merges == recount_every_round(text, vocab_size, pattern)
 
 
 def test_merges_never_cross_a_chunk_boundary():

@@ -10,7 +10,8 @@ merges in the order they were learned. GPT-2's tokenizer is this algorithm with
 
 from __future__ import annotations
 
-from collections import Counter
+import heapq
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -121,6 +122,9 @@ def train_bpe(text: str, vocab_size: int, pattern: str = GPT2_PATTERN,
 
     Each round merges the most frequent adjacent pair (ties: the smallest pair of ids, so training is
     deterministic); training stops early when no pair occurs twice. Special tokens get the ids after the merges.
+    The merges are those of recounting every pair each round (`pair_counts`, the loop chapter 2 writes), but the
+    counts are kept up to date instead: a merge recounts only the chunks that contain its pair, and a heap of
+    (count, pair) entries, stale ones skipped, yields the most frequent pair, so a round costs what it changes.
     """
     specials = list(dict.fromkeys(special_tokens))
     n_merges = vocab_size - BYTE_TOKENS - len(specials)
@@ -128,17 +132,41 @@ def train_bpe(text: str, vocab_size: int, pattern: str = GPT2_PATTERN,
         raise ValueError(f"vocab_size={vocab_size} is below the {BYTE_TOKENS} byte tokens plus {len(specials)} "
                          f"special token(s); pass at least {BYTE_TOKENS + len(specials)}")
     words = Counter(regex.findall(pattern, text))
-    chunks = {tuple(word.encode("utf-8")): n for word, n in words.items()}
+    chunks = [tuple(word.encode("utf-8")) for word in words]
+    weights = list(words.values())
+    counts = pair_counts(dict(zip(chunks, weights, strict=True)))
+    holders: defaultdict[Pair, set[int]] = defaultdict(set)  # pair -> indices of the chunks it occurs in
+    for i, chunk in enumerate(chunks):
+        for pair in zip(chunk, chunk[1:], strict=False):
+            holders[pair].add(i)
+    heap = [(-n, pair) for pair, n in counts.items()]
+    heapq.heapify(heap)
     merges: list[Pair] = []
-    for new in range(BYTE_TOKENS, BYTE_TOKENS + n_merges):
-        counts = pair_counts(chunks)
-        if not counts:
+    while heap and len(merges) < n_merges:
+        negative, best = heapq.heappop(heap)
+        if counts.get(best) != -negative:
+            continue  # stale: the pair's count changed after this entry was pushed
+        if -negative < 2:
             break
-        best = min(counts, key=lambda p: (-counts[p], p))
-        if counts[best] < 2:
-            break
+        new = BYTE_TOKENS + len(merges)
         merges.append(best)
-        chunks = {merge(c, best, new) if best[0] in c else c: n for c, n in chunks.items()}
+        changed: set[Pair] = set()
+        for i in holders.pop(best):
+            before = Counter(zip(chunks[i], chunks[i][1:], strict=False))
+            chunks[i] = merge(chunks[i], best, new)
+            after = Counter(zip(chunks[i], chunks[i][1:], strict=False))
+            for pair in before.keys() | after.keys():
+                if after[pair] != before[pair]:
+                    counts[pair] += (after[pair] - before[pair]) * weights[i]
+                    changed.add(pair)
+            for pair in after.keys() - before.keys():
+                holders[pair].add(i)
+        for pair in changed:
+            if counts[pair] > 0:
+                heapq.heappush(heap, (-counts[pair], pair))
+            else:
+                del counts[pair]
+                holders.pop(pair, None)
     first_special = BYTE_TOKENS + len(merges)
     return BPETokenizer(merges, pattern, {name: first_special + i for i, name in enumerate(specials)})
 
