@@ -40,8 +40,9 @@ def test_weight_bytes_count_a_tied_matrix_once():
 def test_bytes_per_step_and_mbu_follow_from_the_cache_and_the_weights():
     torch.manual_seed(0)
     model = GPT(CONFIG).eval()
-    results = bench_decode(model, [1, 3], 20, fake_calibration(), rounds=1)
-    assert [(r.setup, r.batch) for r in results] == [(s, b) for b in (1, 3) for s in SETUPS]
+    eager = tuple(s for s in SETUPS if not s.startswith("compiled"))  # compiled: in the compile test below
+    results = bench_decode(model, [1, 3], 20, fake_calibration(), eager, rounds=1)
+    assert [(r.setup, r.batch) for r in results] == [(s, b) for b in (1, 3) for s in eager]
     for r in results:
         kv = {"no cache": 0, "int8 KV": kv_bytes_per_token_int8(CONFIG)}.get(r.setup,
                                                                              kv_cache_bytes_per_token(CONFIG))
@@ -81,3 +82,23 @@ def test_int8_weights_are_benchmarked_on_any_device(monkeypatch):
     assert results["int8 weights"].bytes_per_step < results["cache"].bytes_per_step / 2
     layer = Int8Linear.from_linear(torch.nn.Linear(8, 4)).to("meta")  # its forward: a cast, a matmul, a scale
     assert layer(torch.zeros(2, 8, device="meta")).shape == (2, 4)
+
+
+@pytest.mark.compile
+def test_compiled_steps_read_the_eager_steps_bytes_or_the_int8_weights():
+    """The compiled step (compiled once, before timing) needs the bytes of the eager cached step; the compiled int8
+    step 1 byte per Linear weight (the LM head and the embedding it shares included) plus a float32 scale per
+    output channel, the other parameters (norms, biases, position embeddings) in float32."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = GPT(CONFIG).eval()
+    results = {r.setup: r for r in bench_decode(model, [2], 20, fake_calibration(),
+                                                ("cache", "compiled", "compiled int8"), rounds=1)}
+    kv = 2 * 20 * kv_cache_bytes_per_token(CONFIG)
+    assert results["compiled"].bytes_per_step == results["cache"].bytes_per_step == weight_bytes(model) + kv
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    in_linears = {id(m.weight) for m in linears} | {id(m.bias) for m in linears if m.bias is not None}
+    int8 = sum(m.weight.numel() + 4 * m.out_features for m in linears)
+    floats = sum(4 * p.numel() for p in model.parameters() if id(p) not in in_linears)
+    biases = sum(4 * m.bias.numel() for m in linears if m.bias is not None)
+    assert results["compiled int8"].bytes_per_step == int8 + floats + biases + kv

@@ -111,6 +111,23 @@ def generate_with_cache(
     `kv_cache_dtype="int8"` stores the cache in int8 (`helpers.inference.kv_quant`): an approximation.
     """
     int8 = check_kv_cache_dtype(kv_cache_dtype)
+    cached = check_cache_room(model, idx, max_new_tokens, sampling)
+    was_training = model.training
+    model.eval()
+    try:
+        dtype = model.ln_f.weight.dtype  # the activations' dtype (quantization leaves the norms alone)
+        cache = KVCache(model.config, idx.size(0), cached, dtype, idx.device, int8=int8)
+        last = torch.tensor([-1], device=idx.device)
+        logits = model(idx, cache=cache, logits_at=last)[:, -1]  # prefill
+        return decode_loop(logits, lambda token: model(token, cache=cache)[:, -1], idx, max_new_tokens, sampling,
+                           generator)
+    finally:
+        model.train(was_training)
+
+
+def check_cache_room(model: GPT, idx: torch.Tensor, max_new_tokens: int, sampling: Sampling) -> int:
+    """The positions a cache needs for these prompts and `max_new_tokens`, after checking the prompts, the decoding
+    arguments and that they fit the model's context (a cache cannot slide)."""
     check_prompt(idx, model.config.vocab_size)
     check_decoding(max_new_tokens, sampling, model.config.vocab_size)
     ctx, cached = model.config.context_length, cached_positions(idx.size(1), max_new_tokens)
@@ -125,19 +142,17 @@ def generate_with_cache(
             f"would have to be recomputed. Set max_new_tokens to {ctx - idx.size(1) + 1} or less, shorten the "
             "prompt, or use GPT.generate (no cache, sliding window)"
         )
-    was_training = model.training
-    model.eval()
-    try:
-        dtype = model.ln_f.weight.dtype  # the activations' dtype (quantization leaves the norms alone)
-        cache = KVCache(model.config, idx.size(0), cached, dtype, idx.device, int8=int8)
-        last = torch.tensor([-1], device=idx.device)
-        logits = model(idx, cache=cache, logits_at=last)[:, -1]  # prefill
-        tokens = [idx]
-        for step in range(max_new_tokens):
-            context = torch.cat(tokens, dim=1) if sampling.penalises else None
-            tokens.append(sampling.next_token(logits, context, generator))
-            if step < max_new_tokens - 1:  # the last token is returned, never fed back
-                logits = model(tokens[-1], cache=cache)[:, -1]  # decode
-    finally:
-        model.train(was_training)
+    return cached
+
+
+def decode_loop(logits: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor,
+                max_new_tokens: int, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """Pick a token from `logits` (batch, vocab), feed it to `decode` (the next step's logits), `max_new_tokens`
+    times; the prompts `idx` with the new tokens appended. The last token is returned, never fed back."""
+    tokens = [idx]
+    for step in range(max_new_tokens):
+        context = torch.cat(tokens, dim=1) if sampling.penalises else None
+        tokens.append(sampling.next_token(logits, context, generator))
+        if step < max_new_tokens - 1:
+            logits = decode(tokens[-1])
     return torch.cat(tokens, dim=1)

@@ -21,17 +21,26 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..inference.compiled_decode import CompiledDecoder
 from ..inference.kv_cache import KVCache, kv_cache_bytes_per_token
 from ..inference.kv_quant import kv_bytes_per_token_int8
-from ..inference.quantization import quantize_linears
+from ..inference.quantization import quantize_linears, tie_int8_embedding
 from ..model.config import PRESETS, GPTConfig
 from ..model.gpt import GPT
 from ..system.args import positive_int
 from ..system.cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
+from ..system.device import (
+    DeviceCapabilities,
+    autocast_dtype,
+    check_dtype,
+    detect_capabilities,
+    dtype_name,
+    parse_dtype,
+)
 from .calibration import Calibration
 from .timing import Spread, interleaved
 
-SETUPS = ("no cache", "cache", "int8 weights", "int8 KV")
+SETUPS = ("no cache", "cache", "compiled", "int8 weights", "int8 KV", "compiled int8")
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -67,14 +76,18 @@ class DecodeResult:
         return self.achieved_bandwidth / self.bandwidth
 
 
-def _decode_step(model: GPT, batch: int, positions: int, int8_kv: bool, device: torch.device) -> Callable[[], object]:
-    """One decode step at a fixed context: the cache is prefilled once, each call adds a token and truncates it."""
-    config = model.config
-    dtype = model.ln_f.weight.dtype
+def _step_inputs(config: GPTConfig, batch: int, positions: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random context (batch, positions) and the new token (batch, 1), the same for every setup."""
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (batch, positions), generator=g).to(device)
-    token = torch.randint(0, config.vocab_size, (batch, 1), generator=g).to(device)
-    cache = KVCache(config, batch, positions + 1, dtype, device, int8=int8_kv)
+    return prompt, torch.randint(0, config.vocab_size, (batch, 1), generator=g).to(device)
+
+
+def _decode_step(model: GPT, batch: int, positions: int, int8_kv: bool, device: torch.device) -> Callable[[], object]:
+    """One decode step at a fixed context: the cache is prefilled once, each call adds a token and truncates it."""
+    prompt, token = _step_inputs(model.config, batch, positions, device)
+    cache = KVCache(model.config, batch, positions + 1, model.ln_f.weight.dtype, device, int8=int8_kv)
     with torch.inference_mode():
         model(prompt, cache=cache, logits_at=torch.tensor([-1], device=device))
 
@@ -84,6 +97,21 @@ def _decode_step(model: GPT, batch: int, positions: int, int8_kv: bool, device: 
         cache.truncate(positions)
         return logits
 
+    return step
+
+
+def _compiled_step(model: GPT, batch: int, positions: int, device: torch.device) -> Callable[[], object]:
+    """The same step compiled over a static cache (`helpers.inference.compiled_decode`): each call rewrites the last
+    slot. It is compiled here, before timing: the first call traces and compiles, the others replay."""
+    prompt, token = _step_inputs(model.config, batch, positions, device)
+    decoder = CompiledDecoder(model, batch, positions + 1)
+    decoder.prefill(prompt)
+    position = torch.tensor([positions], device=device)
+
+    def step():
+        return decoder.step(token, position)
+
+    step()
     return step
 
 
@@ -102,8 +130,12 @@ def _recompute_step(model: GPT, batch: int, positions: int, device: torch.device
 
 def bench_decode(model: GPT, batches: list[int], positions: int, calibration: Calibration,
                  setups: tuple[str, ...] = SETUPS, rounds: int = 5) -> list[DecodeResult]:
-    """Time one decode step of `model` (eval, on its device) per setup and batch size, all interleaved; the
-    int8-weights setup quantizes a copy (weight-only, every Linear but the tied LM head; on any device)."""
+    """Time one decode step of `model` (eval, on its device, in its dtype) per setup and batch size, all
+    interleaved. "int8 weights" quantizes a copy (weight-only, every Linear but the tied LM head; on any device);
+    "compiled" compiles the step over a static cache once per batch size before timing (seconds each); "compiled
+    int8" compiles a copy whose every Linear, the LM head included, is int8 weight-only, with the embedding reading
+    the head's int8 rows (`quantization.tie_int8_embedding`), so the compiler can fuse each dequantization into its
+    matrix multiply."""
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
         raise ValueError(f"unknown setups {unknown}; valid: {', '.join(SETUPS)}")
@@ -113,18 +145,24 @@ def bench_decode(model: GPT, batches: list[int], positions: int, calibration: Ca
                          f"{config.context_length}, got {positions}")
     model = model.eval()
     dtype = model.ln_f.weight.dtype
-    int8_model = quantize_linears(copy.deepcopy(model), "weight_only", skip=("lm_head",)).eval() \
-        if "int8 weights" in setups else None
+    models = {"int8 weights": quantize_linears(copy.deepcopy(model), "weight_only", skip=("lm_head",)).eval()
+              if "int8 weights" in setups else None,
+              "compiled int8": tie_int8_embedding(quantize_linears(copy.deepcopy(model), "weight_only")).eval()
+              if "compiled int8" in setups else None}
     steps, required = {}, {}
     for batch in batches:
         for setup in setups:
-            m = int8_model if setup == "int8 weights" else model
+            m = models.get(setup) or model
             kv_per_token = kv_bytes_per_token_int8(config) if setup == "int8 KV" else kv_cache_bytes_per_token(config,
                                                                                                               dtype)
             cached = 0 if setup == "no cache" else batch * positions * kv_per_token
             required[setup, batch] = weight_bytes(m) + cached
-            steps[setup, batch] = (_recompute_step(m, batch, positions, device) if setup == "no cache"
-                                   else _decode_step(m, batch, positions, setup == "int8 KV", device))
+            if setup == "no cache":
+                steps[setup, batch] = _recompute_step(m, batch, positions, device)
+            elif setup in ("compiled", "compiled int8"):
+                steps[setup, batch] = _compiled_step(m, batch, positions, device)
+            else:
+                steps[setup, batch] = _decode_step(m, batch, positions, setup == "int8 KV", device)
     times = interleaved(steps, device, rounds=rounds)
     results = []
     for (setup, batch), spread in times.items():
@@ -132,6 +170,14 @@ def bench_decode(model: GPT, batches: list[int], positions: int, calibration: Ca
         results.append(DecodeResult(setup, batch, positions, spread, required[setup, batch],
                                     calibration.bandwidths[level].median, level))
     return results
+
+
+def resolve_dtype(name: str, caps: DeviceCapabilities) -> torch.dtype:
+    """The decode step's dtype: "auto" is the device's compute dtype (`autocast_dtype`, float32 where it has none);
+    a named one is refused where the device cannot run it natively."""
+    if name == "auto":
+        return autocast_dtype(caps) or torch.float32
+    return check_dtype(caps, parse_dtype(name))
 
 
 def format_results(results: list[DecodeResult]) -> str:
@@ -159,6 +205,9 @@ def _arguments(parser) -> None:
     add_scaled(parser, COMMAND, "positions", "tokens of context when the step runs")
     parser.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS), metavar="SETUP",
                         help=f"decoding setups (default: all of {', '.join(repr(s) for s in SETUPS)})")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                        help="the model's weights and activations (default: auto, the device's compute dtype: "
+                             "bfloat16 where native, float16 on GPUs without it, float32 elsewhere)")
     parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved timing rounds (default: 5)")
     add_device(parser)
     add_json(parser, "a table", "a JSON list")
@@ -172,8 +221,10 @@ def _run(args) -> int:
     if args.positions + 1 > config.context_length:
         args.command_parser.error(f"--positions {args.positions} leaves no room for a new token in {args.model}'s "
                                   f"context of {config.context_length}; pass {config.context_length - 1} or less")
+    dtype = resolve_dtype(args.dtype, detect_capabilities(torch.device(device).type))
     torch.manual_seed(0)
-    model = GPT(config).to(device).eval()
+    model = GPT(config).to(device, dtype).eval()
+    print(f"{args.model} in {dtype_name(dtype)} on {device}", file=sys.stderr, flush=True)
     print("calibrating memory bandwidth (cached after the first run) ...", file=sys.stderr, flush=True)
     calibration = load_calibration(device)
     results = bench_decode(model, args.batch, args.positions, calibration, tuple(args.setups), rounds=args.rounds)

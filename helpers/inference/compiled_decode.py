@@ -1,0 +1,115 @@
+"""A compiled decode step: a static KV cache, fixed shapes, one graph for the whole generation.
+
+At batch 1 a decode step is many small operations, each launched from Python and each reading its inputs from
+memory; torch.compile traces the step once and replaces them with fewer, fused kernels. It can reuse the traced
+graph only while the shapes stay the same, and `kv_cache.KVCache` attends over the `length` positions filled so
+far, a shape that grows by one every step. `StaticKVCache` attends over all `max_len` slots at every step and masks
+the ones not written yet, with the new token's position passed as a tensor: the step's shapes never change, so one
+graph serves every step (gpt-fast's recipe). The prefill runs eagerly: its length changes with the prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..model.config import GPTConfig
+from ..model.decoding import GREEDY, Sampling
+from ..model.gpt import GPT
+from .kv_cache import check_cache_room, decode_loop
+
+
+class StaticKVCache:
+    """Keys and values for `max_len` positions of `batch` sequences, one (batch, kv_heads, max_len, head_dim) pair per
+    layer, preallocated and written in place at the positions `at` names.
+
+    The model's attention layers call it as they call `KVCache` (the `KVCacheView` protocol): `at(positions)` says
+    where the next tokens go, `attend` writes their keys and values there and attends over every slot up to each
+    query's position. Nothing is read from the cache's length, so compiled code sees no Python number change.
+    """
+
+    def __init__(self, config: GPTConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        if batch < 1 or not 1 <= max_len <= config.context_length:
+            raise ValueError(f"need batch >= 1 and 1 <= max_len <= the context length {config.context_length}, got "
+                             f"batch={batch}, max_len={max_len}")
+        shape = (batch, config.kv_heads, max_len, config.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.slots = torch.arange(max_len, device=device)
+        self.batch, self.max_len, self.dtype = batch, max_len, dtype
+        self.input_pos = self.slots[:1]
+
+    def at(self, positions: torch.Tensor) -> StaticKVCache:
+        """The positions (seq,) of the next forward pass's tokens, the same for every sequence of the batch."""
+        self.input_pos = positions
+        return self
+
+    def positions(self, seq: int, device: torch.device) -> torch.Tensor:
+        return self.input_pos
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Write k, v (batch, kv_heads, seq, head_dim) at the positions, then attend every query over the slots up to
+        its own position: a (seq, max_len) mask, so a slot not written yet (or left from a longer earlier
+        generation) is never seen."""
+        if q.size(0) != self.batch:
+            raise ValueError(f"the cache holds {self.batch} sequences but the input has {q.size(0)}")
+        self.keys[layer].index_copy_(2, self.input_pos, k.to(self.dtype))
+        self.values[layer].index_copy_(2, self.input_pos, v.to(self.dtype))
+        allowed = self.slots[None, :] <= self.input_pos[:, None]
+        return kernel(q, self.keys[layer].to(q.dtype), self.values[layer].to(q.dtype), attn_mask=allowed,
+                      is_causal=False)
+
+    def advance(self, seq: int) -> None:
+        """Nothing to count: the caller passes every step's positions."""
+
+
+class CompiledDecoder:
+    """A model's decode step over a `StaticKVCache`, compiled once for `batch` sequences of up to `max_len` positions
+    and reused across generations (compiling takes seconds, a step milliseconds).
+
+    `compile=False` runs the same step eagerly (the reference the compiled one is tested against); `backend` and
+    `mode` go to torch.compile (default: inductor; "reduce-overhead" on CUDA, which replays the step as a CUDA
+    graph). The model must be in eval mode and stay unchanged: the compiled graph holds its weights.
+    """
+
+    def __init__(self, model: GPT, batch: int, max_len: int, *, compile: bool = True,
+                 backend: str | Callable = "inductor", mode: str | None = None) -> None:
+        self.model = model.eval()
+        device = next(model.parameters()).device
+        self.cache = StaticKVCache(model.config, batch, max_len, model.ln_f.weight.dtype, device)
+        if mode is None and device.type == "cuda" and backend == "inductor":
+            mode = "reduce-overhead"
+        self.step = torch.compile(self.decode, backend=backend, mode=mode, fullgraph=True, dynamic=False) \
+            if compile else self.decode
+
+    @torch.no_grad()
+    def prefill(self, idx: torch.Tensor) -> torch.Tensor:
+        """The prompts (batch, seq) into slots 0 .. seq-1, eagerly; the last position's logits (batch, vocab)."""
+        positions = self.cache.slots[: idx.size(1)]
+        return self.model(idx, cache=self.cache.at(positions), logits_at=positions[-1:])[:, -1]
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence (batch, 1) at `position` (a one-element tensor); its logits (batch, vocab)."""
+        return self.model(tokens, cache=self.cache.at(position))[:, -1]
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, sampling: Sampling = GREEDY,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """`generate_with_cache` with the compiled step: the prompts with `max_new_tokens` tokens appended."""
+        cached = check_cache_room(self.model, idx, max_new_tokens, sampling)
+        if idx.size(0) != self.cache.batch or cached > self.cache.max_len:
+            raise ValueError(f"this decoder was built for batch {self.cache.batch} and {self.cache.max_len} positions; "
+                             f"these prompts need batch {idx.size(0)} and {cached}: build a CompiledDecoder for them")
+        logits = self.prefill(idx)
+        position = torch.tensor([idx.size(1)], device=idx.device)
+
+        def decode(token: torch.Tensor) -> torch.Tensor:
+            logits = self.step(token, position)
+            position.add_(1)  # in place: the compiled step reads the tensor, never a Python number
+            return logits
+
+        return decode_loop(logits, decode, idx, max_new_tokens, sampling, generator)
