@@ -243,6 +243,44 @@ def check_copied_share(copied_share: Callable[[list[list[int]], torch.Tensor, in
     return report("exercise 5.1.3, copied or composed", attempt)
 
 
+def check_adamw_step(adamw_step: Callable[..., object]) -> bool:
+    """Chapter 5.1, exercise 4: `adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps,
+    weight_decay)` updates the parameter and both moments in place, as `torch.optim.AdamW` does at its `step`-th
+    update (1, 2, ...). Checked in float64 over several steps, with weight decay and without, against AdamW itself."""
+    hyper = dict(lr=0.05, beta1=0.9, beta2=0.95, eps=1e-8)  # passed in this order, as the signature lists them
+
+    def attempt() -> str | None:
+        for weight_decay in (0.0, 0.1):
+            generator = torch.Generator().manual_seed(0)
+            reference = torch.randn(4, 3, dtype=torch.float64, generator=generator, requires_grad=True)
+            optimizer = torch.optim.AdamW([reference], lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]),
+                                          eps=hyper["eps"], weight_decay=weight_decay)
+            param = reference.detach().clone()
+            exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+            for step in range(1, 6):
+                grad = torch.randn(4, 3, dtype=torch.float64, generator=generator)
+                reference.grad = grad.clone()
+                optimizer.step()
+                before = param.clone()
+                adamw_step(param, grad.clone(), exp_avg, exp_avg_sq, step, *hyper.values(), weight_decay)
+                if torch.equal(param, before):
+                    return "the parameter did not change: update it in place (param.sub_(...) or param -= ...)"
+                gap = (param - reference.detach()).abs().max().item()
+                if gap > 1e-12:
+                    if weight_decay and step == 1:
+                        hint = ("weight decay is decoupled: param -= lr * weight_decay * param, never added to the "
+                                "gradient the moments see")
+                    elif step == 1:
+                        hint = ("correct the moments' bias: exp_avg / (1 - beta1**step), exp_avg_sq / "
+                                "(1 - beta2**step), and add eps to the square root")
+                    else:
+                        hint = "keep the moments between steps: update exp_avg and exp_avg_sq in place"
+                    return f"weight decay {weight_decay}, step {step}: {gap:.2e} from AdamW's parameter; {hint}"
+        return None
+
+    return report("exercise 5.1.4, AdamW by hand", attempt)
+
+
 def check_beam_search(attempt_search: Callable[[GPT, torch.Tensor, int, int], torch.Tensor]) -> bool:
     """Chapter 5.7, exercise 1: `beam_search(model, idx, max_new_tokens, beams)` continues one prompt (1, seq) as
     `helpers.model.decoding.beam_search` does: keep the `beams` sequences with the largest summed log-probability

@@ -86,6 +86,19 @@ def copied_share(generated, train_ids, n):
     return sum(w in seen for w in windows) / len(windows)
 
 
+def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denominator = (exp_avg_sq / (1 - beta2**step)).sqrt() + eps
+    param.sub_(lr * exp_avg / (1 - beta1**step) / denominator)
+
+
+def adam_with_l2(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+    """The classic mistake: weight decay added to the gradient (Adam with L2), so the moments rescale it."""
+    adamw_step(param, grad + weight_decay * param, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, 0.0)
+
+
 def min_p_filter(logits, min_p):
     probs = logits.softmax(-1)
     return logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
@@ -167,6 +180,7 @@ CASES = [  # check, a reference answer, a wrong one, a phrase of the message the
     (exercises.check_residual_stds, residual_stds, lambda model, ids: residual_stds(model, ids)[1:], "one per block"),
     (exercises.check_copied_share, copied_share,  # a wrong one: windows counted per sequence, short ones as 0
      lambda g, t, n: sum(copied_share([q], t, n) if len(q) >= n else 0.0 for q in g) / len(g), "occur in"),
+    (exercises.check_adamw_step, adamw_step, adam_with_l2, "weight decay is decoupled"),
     (exercises.check_min_p, min_p_filter, lambda x, p: min_p_filter(x, p * 2), "the rule keeps"),
     (exercises.check_beam_search, beam_search, beam_search_by_mean, "beam search keeps"),
     (exercises.check_chunked_prefill, prefill_in_chunks, prefill_each_chunk_alone, "the cache holds 1 positions"),
