@@ -571,16 +571,23 @@ def format_report(report: dict) -> str:
 
 
 def plot_ladder(report: dict):
-    """Tokens/s and MFU per rung (skipped rungs marked), with transformers' GPT-2 for reference; a Figure."""
+    """Tokens/s and MFU per rung with their interquartile ranges (skipped rungs marked), with transformers' GPT-2
+    for reference; a Figure."""
     import matplotlib.pyplot as plt
 
     rungs = report["rungs"]
     labels = [r["label"] for r in rungs]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     for ax, key, unit in ((ax1, "tokens_per_s", "training tokens/s"), (ax2, "mfu", "MFU (%)")):
         scale = 100 if key == "mfu" else 1
         values = [scale * r[key] if r["status"] == "ok" else 0 for r in rungs]
-        bars = ax.bar(range(len(rungs)), values, color=["C0" if r["status"] == "ok" else "0.8" for r in rungs])
+        # MFU is tokens/s times a constant (FLOPs per token over the peak): the same quartiles, rescaled
+        quartiles = [[v * q / r["tokens_per_s"] for q in r["tokens_per_s_iqr"]] if r["status"] == "ok" else [0, 0]
+                     for v, r in zip(values, rungs, strict=True)]
+        below_above = [[v - q1 for v, (q1, _) in zip(values, quartiles, strict=True)],
+                       [q3 - v for v, (_, q3) in zip(values, quartiles, strict=True)]]
+        bars = ax.bar(range(len(rungs)), values, yerr=below_above, capsize=3,
+                      color=["C0" if r["status"] == "ok" else "0.8" for r in rungs])
         for bar, r in zip(bars, rungs, strict=True):
             if r["status"] != "ok":
                 ax.annotate(r["status"], (bar.get_x() + bar.get_width() / 2, 0), ha="center", va="bottom",
@@ -588,6 +595,7 @@ def plot_ladder(report: dict):
         ax.set_xticks(range(len(rungs)), labels, rotation=35, ha="right", fontsize=8)
         ax.set_ylabel(unit)
     c = report["transformers"]
+    legend = False
     if c and c["status"] == "ok":
         for name, style in (("transformers_eager_tokens_per_s", "--"), ("transformers_compiled_tokens_per_s", ":")):
             if c[name]:
@@ -595,11 +603,12 @@ def plot_ladder(report: dict):
                             label=f"transformers GPT-2, {name.split('_')[1]} ({c['best_rung']} settings)")
         ax1.axhline(c["ours_tokens_per_s"], color="C2", linestyle="-", linewidth=0.8,
                     label="ours, best rung, timed with transformers")
-        ax1.legend(fontsize=7)
-    ax1.set_title(f"{report['model']}: batch {report['batch']} x {report['ctx']} tokens", fontsize=10)
-    ax2.set_title(f"MFU vs {report['peak_flops'] / 1e12:.3g} TFLOP/s ({report['peak_source']})", fontsize=9)
+        fig.legend(loc="lower center", ncol=3, fontsize=8, frameon=False)  # below the axes, clear of the lines
+        legend = True
+    ax1.set_title(f"{report['model']}: batch {report['batch']} x {report['ctx']} tokens, median and IQR", fontsize=10)
+    ax2.set_title(f"MFU against {report['peak_flops'] / 1e12:.3g} TFLOP/s, {report['peak_source']}", fontsize=9)
     fig.suptitle(report["device_name"])
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07 if legend else 0, 1, 1))
     return fig
 
 
