@@ -21,13 +21,14 @@ def model_and_prompts(config, dtype=torch.float64, batch=2, seq=7):
     return model, torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8-kv"])
 @pytest.mark.parametrize("config", [GPT2_STYLE, MODERN], ids=["gpt2", "rope-gqa-qknorm"])
-def test_static_cache_gives_the_kv_cache_logits_in_float64_at_every_step(config):
+def test_static_cache_gives_the_kv_cache_logits_in_float64_at_every_step(config, int8):
     """Eager (compile=False): the static cache's prefill and each decode step against KVCache's, position by
-    position, with learned positions and with RoPE + grouped-query attention."""
+    position, with learned positions and with RoPE + grouped-query attention, and with both caches in int8."""
     model, prompts = model_and_prompts(config)
-    decoder = CompiledDecoder(model, batch=2, max_len=20, compile=False)
-    reference = KVCache(config, 2, 20, torch.float64)
+    decoder = CompiledDecoder(model, batch=2, max_len=20, compile=False, kv_cache_dtype="int8" if int8 else "auto")
+    reference = KVCache(config, 2, 20, torch.float64, int8=int8)
     with torch.no_grad():
         ours = decoder.prefill(prompts)
         theirs = model(prompts, cache=reference)[:, -1]
@@ -64,6 +65,8 @@ def test_bad_sizes_are_refused_with_what_to_build():
         StaticKVCache(GPT2_STYLE, 1, 41)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         decoder.generate(prompts, 0)
+    with pytest.raises(ValueError, match="unknown kv_cache_dtype 'fp8'; valid: auto, int8"):
+        CompiledDecoder(model, batch=2, max_len=12, compile=False, kv_cache_dtype="fp8")
 
 
 @pytest.mark.compile
@@ -87,8 +90,8 @@ def test_one_graph_serves_every_step():
 
 @pytest.mark.compile
 def test_inductor_step_is_token_identical_to_the_eager_cache():
-    """The default backend (inductor, fused kernels): float64 logits to rounding, the same tokens greedily and with
-    seeded sampling; and greedy in float32, the compute dtype of a CPU without native bf16."""
+    """The default backend (inductor, fused kernels): the same tokens in float64 greedily, with seeded sampling and
+    with an int8 cache; and greedy in float32, the compute dtype of a CPU without native bf16."""
     torch.compiler.reset()
     model, prompts = model_and_prompts(GPT2_STYLE)
     decoder = CompiledDecoder(model, batch=2, max_len=30)
@@ -96,6 +99,8 @@ def test_inductor_step_is_token_identical_to_the_eager_cache():
     sampling = Sampling(temperature=0.9, top_k=20)
     sampled = decoder.generate(prompts, 20, sampling, torch.Generator().manual_seed(3))
     assert torch.equal(sampled, generate_with_cache(model, prompts, 20, sampling, torch.Generator().manual_seed(3)))
+    int8 = CompiledDecoder(model, batch=2, max_len=30, kv_cache_dtype="int8")
+    assert torch.equal(int8.generate(prompts, 20), generate_with_cache(model, prompts, 20, kv_cache_dtype="int8"))
     model32, prompts = model_and_prompts(GPT2_STYLE, torch.float32)
     decoder32 = CompiledDecoder(model32, batch=2, max_len=30)
     assert torch.equal(decoder32.generate(prompts, 20), generate_with_cache(model32, prompts, 20))

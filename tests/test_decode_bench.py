@@ -86,16 +86,19 @@ def test_int8_weights_are_benchmarked_on_any_device(monkeypatch):
 
 @pytest.mark.compile
 def test_compiled_steps_read_the_eager_steps_bytes_or_the_int8_weights():
-    """The compiled step (compiled once, before timing) needs the bytes of the eager cached step; the compiled int8
-    step 1 byte per Linear weight (the LM head and the embedding it shares included) plus a float32 scale per
-    output channel, the other parameters (norms, biases, position embeddings) in float32."""
+    """The compiled step (compiled once, before timing) needs the bytes of the eager cached step, over an int8 cache
+    the int8 cache's; the compiled int8 step 1 byte per Linear weight (the LM head and the embedding it shares
+    included) plus a float32 scale per output channel, the other parameters (norms, biases, position embeddings) in
+    float32."""
     torch.compiler.reset()
     torch.manual_seed(0)
     model = GPT(CONFIG).eval()
     results = {r.setup: r for r in bench_decode(model, [2], 20, fake_calibration(),
-                                                ("cache", "compiled", "compiled int8"), rounds=1)}
+                                                ("cache", "compiled", "compiled int8", "compiled int8 KV"),
+                                                rounds=1)}
     kv = 2 * 20 * kv_cache_bytes_per_token(CONFIG)
     assert results["compiled"].bytes_per_step == results["cache"].bytes_per_step == weight_bytes(model) + kv
+    assert results["compiled int8 KV"].bytes_per_step == weight_bytes(model) + 2 * 20 * kv_bytes_per_token_int8(CONFIG)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     in_linears = {id(m.weight) for m in linears} | {id(m.bias) for m in linears if m.bias is not None}
     int8 = sum(m.weight.numel() + 4 * m.out_features for m in linears)

@@ -41,6 +41,7 @@ NOT_ON_THE_VIRTUAL_DEVICE = {
     "ch03_attention/02_efficient_mha.ipynb": "torch.compile (FlexAttention's kernel) does not trace under a mode",
     "ch03_attention/solutions.ipynb": "SDPA's CausalBias is a tensor subclass of its own",
     "ch05_training/06_memory_efficient_loading.ipynb": "it loads in fresh processes, where the device does not exist",
+    "ch06_inference/07_decode_bandwidth.ipynb": "torch.compile (its compiled decode step) does not trace under a mode",
     "ch07_parallel/solutions.ipynb": "it counts saved activations' bytes through their storages in autograd hooks",
 }
 

@@ -17,12 +17,15 @@ import torch
 from ..model.config import GPTConfig
 from ..model.decoding import GREEDY, Sampling
 from ..model.gpt import GPT
+from .cached_attention import KVStorage
 from .kv_cache import check_cache_room, decode_loop
+from .kv_quant import check_kv_cache_dtype
 
 
 class StaticKVCache:
     """Keys and values for `max_len` positions of `batch` sequences, one (batch, kv_heads, max_len, head_dim) pair per
-    layer, preallocated and written in place at the positions `at` names.
+    layer, preallocated and written in place at the positions `at` names; with `int8=True` stored as int8 with a
+    scale per position and head (`kv_quant`), as `KVCache(int8=True)` stores them.
 
     The model's attention layers call it as they call `KVCache` (the `KVCacheView` protocol): `at(positions)` says
     where the next tokens go, `attend` writes their keys and values there and attends over every slot up to each
@@ -30,16 +33,20 @@ class StaticKVCache:
     """
 
     def __init__(self, config: GPTConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", int8: bool = False) -> None:
         if batch < 1 or not 1 <= max_len <= config.context_length:
             raise ValueError(f"need batch >= 1 and 1 <= max_len <= the context length {config.context_length}, got "
                              f"batch={batch}, max_len={max_len}")
-        shape = (batch, config.kv_heads, max_len, config.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.storage = KVStorage(config.n_layers, (batch, config.kv_heads, max_len, config.head_dim), dtype, device,
+                                 int8)
         self.slots = torch.arange(max_len, device=device)
-        self.batch, self.max_len, self.dtype = batch, max_len, dtype
+        self.batch, self.max_len, self.dtype, self.int8 = batch, max_len, dtype, int8
         self.input_pos = self.slots[:1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache tensors, scales included."""
+        return self.storage.nbytes
 
     def at(self, positions: torch.Tensor) -> StaticKVCache:
         """The positions (seq,) of the next forward pass's tokens, the same for every sequence of the batch."""
@@ -53,14 +60,14 @@ class StaticKVCache:
                kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Write k, v (batch, kv_heads, seq, head_dim) at the positions, then attend every query over the slots up to
         its own position: a (seq, max_len) mask, so a slot not written yet (or left from a longer earlier
-        generation) is never seen."""
+        generation) is never seen. An int8 cache is read back whole in the queries' dtype; compiled, that
+        conversion is one fused pass over the int8 bytes."""
         if q.size(0) != self.batch:
             raise ValueError(f"the cache holds {self.batch} sequences but the input has {q.size(0)}")
-        self.keys[layer].index_copy_(2, self.input_pos, k.to(self.dtype))
-        self.values[layer].index_copy_(2, self.input_pos, v.to(self.dtype))
+        self.storage.write(layer, (slice(None), slice(None), self.input_pos), k, v)
+        keys, values = self.storage.read(layer, (slice(None),), q.dtype)
         allowed = self.slots[None, :] <= self.input_pos[:, None]
-        return kernel(q, self.keys[layer].to(q.dtype), self.values[layer].to(q.dtype), attn_mask=allowed,
-                      is_causal=False)
+        return kernel(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=allowed, is_causal=False)
 
     def advance(self, seq: int) -> None:
         """Nothing to count: the caller passes every step's positions."""
@@ -70,16 +77,18 @@ class CompiledDecoder:
     """A model's decode step over a `StaticKVCache`, compiled once for `batch` sequences of up to `max_len` positions
     and reused across generations (compiling takes seconds, a step milliseconds).
 
-    `compile=False` runs the same step eagerly (the reference the compiled one is tested against); `backend` and
-    `mode` go to torch.compile (default: inductor; "reduce-overhead" on CUDA, which replays the step as a CUDA
-    graph). The model must be in eval mode and stay unchanged: the compiled graph holds its weights.
+    `kv_cache_dtype="int8"` stores the cache in int8, as `generate_with_cache` does. `compile=False` runs the same
+    step eagerly (the reference the compiled one is tested against); `backend` and `mode` go to torch.compile
+    (default: inductor; "reduce-overhead" on CUDA, which replays the step as a CUDA graph). The model must be in
+    eval mode and stay unchanged: the compiled graph holds its weights.
     """
 
-    def __init__(self, model: GPT, batch: int, max_len: int, *, compile: bool = True,
+    def __init__(self, model: GPT, batch: int, max_len: int, *, kv_cache_dtype: str = "auto", compile: bool = True,
                  backend: str | Callable = "inductor", mode: str | None = None) -> None:
         self.model = model.eval()
         device = next(model.parameters()).device
-        self.cache = StaticKVCache(model.config, batch, max_len, model.ln_f.weight.dtype, device)
+        self.cache = StaticKVCache(model.config, batch, max_len, model.ln_f.weight.dtype, device,
+                                   int8=check_kv_cache_dtype(kv_cache_dtype))
         if mode is None and device.type == "cuda" and backend == "inductor":
             mode = "reduce-overhead"
         self.step = torch.compile(self.decode, backend=backend, mode=mode, fullgraph=True, dynamic=False) \

@@ -40,7 +40,7 @@ from ..system.device import (
 from .calibration import Calibration
 from .timing import Spread, interleaved
 
-SETUPS = ("no cache", "cache", "compiled", "int8 weights", "int8 KV", "compiled int8")
+SETUPS = ("no cache", "cache", "compiled", "int8 weights", "int8 KV", "compiled int8", "compiled int8 KV")
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -100,11 +100,12 @@ def _decode_step(model: GPT, batch: int, positions: int, int8_kv: bool, device: 
     return step
 
 
-def _compiled_step(model: GPT, batch: int, positions: int, device: torch.device) -> Callable[[], object]:
+def _compiled_step(model: GPT, batch: int, positions: int, int8_kv: bool, device: torch.device
+                   ) -> Callable[[], object]:
     """The same step compiled over a static cache (`helpers.inference.compiled_decode`): each call rewrites the last
     slot. It is compiled here, before timing: the first call traces and compiles, the others replay."""
     prompt, token = _step_inputs(model.config, batch, positions, device)
-    decoder = CompiledDecoder(model, batch, positions + 1)
+    decoder = CompiledDecoder(model, batch, positions + 1, kv_cache_dtype="int8" if int8_kv else "auto")
     decoder.prefill(prompt)
     position = torch.tensor([positions], device=device)
 
@@ -135,7 +136,7 @@ def bench_decode(model: GPT, batches: list[int], positions: int, calibration: Ca
     "compiled" compiles the step over a static cache once per batch size before timing (seconds each); "compiled
     int8" compiles a copy whose every Linear, the LM head included, is int8 weight-only, with the embedding reading
     the head's int8 rows (`quantization.tie_int8_embedding`), so the compiler can fuse each dequantization into its
-    matrix multiply."""
+    matrix multiply; "compiled int8 KV" compiles the step over an int8 cache."""
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
         raise ValueError(f"unknown setups {unknown}; valid: {', '.join(SETUPS)}")
@@ -153,14 +154,14 @@ def bench_decode(model: GPT, batches: list[int], positions: int, calibration: Ca
     for batch in batches:
         for setup in setups:
             m = models.get(setup) or model
-            kv_per_token = kv_bytes_per_token_int8(config) if setup == "int8 KV" else kv_cache_bytes_per_token(config,
-                                                                                                              dtype)
+            kv_per_token = (kv_bytes_per_token_int8(config) if setup.endswith("int8 KV")
+                            else kv_cache_bytes_per_token(config, dtype))
             cached = 0 if setup == "no cache" else batch * positions * kv_per_token
             required[setup, batch] = weight_bytes(m) + cached
             if setup == "no cache":
                 steps[setup, batch] = _recompute_step(m, batch, positions, device)
-            elif setup in ("compiled", "compiled int8"):
-                steps[setup, batch] = _compiled_step(m, batch, positions, device)
+            elif setup.startswith("compiled"):
+                steps[setup, batch] = _compiled_step(m, batch, positions, setup.endswith("KV"), device)
             else:
                 steps[setup, batch] = _decode_step(m, batch, positions, setup == "int8 KV", device)
     times = interleaved(steps, device, rounds=rounds)
@@ -182,12 +183,12 @@ def resolve_dtype(name: str, caps: DeviceCapabilities) -> torch.dtype:
 
 def format_results(results: list[DecodeResult]) -> str:
     lines = [f"one decode step at {results[0].positions} tokens of context; median (IQR) of interleaved rounds",
-             f"{'setup':<13} {'batch':>5} {'tokens/s':>10} {'ms/step (IQR)':>20} {'MB read':>9} {'GB/s':>7} "
+             f"{'setup':<16} {'batch':>5} {'tokens/s':>10} {'ms/step (IQR)':>20} {'MB read':>9} {'GB/s':>7} "
              f"{'roof GB/s':>10} {'MBU':>6}"]
     for r in results:
         q1, q3 = r.step.quartiles
         step = f"{r.step.median * 1e3:.2f} ({q1 * 1e3:.2f}-{q3 * 1e3:.2f})"
-        lines.append(f"{r.setup:<13} {r.batch:>5} {r.tokens_per_s:>10.1f} {step:>20} {r.bytes_per_step / 1e6:>9.1f} "
+        lines.append(f"{r.setup:<16} {r.batch:>5} {r.tokens_per_s:>10.1f} {step:>20} {r.bytes_per_step / 1e6:>9.1f} "
                      f"{r.achieved_bandwidth / 1e9:>7.2f} {f'{r.bandwidth / 1e9:.1f} {r.level}':>10} {r.mbu:>6.1%}")
     return "\n".join(lines)
 
