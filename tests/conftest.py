@@ -50,6 +50,7 @@ MODULE_MARKERS = {
     # results that no library's version can change
     "test_layout": ("versionless",),
     "test_project": ("versionless",),
+    "test_prose": ("versionless",),
     "test_record": ("versionless",),
 }
 # test function -> markers, where a module holds tests of several kinds

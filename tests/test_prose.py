@@ -1,0 +1,105 @@
+"""The prose quotes no figure a cell measures: a number typed into markdown holds on one machine and contradicts
+the outputs on the next, so the cell prints it (in a sentence where the text needs it) and the prose says why.
+
+A figure is a number with a unit of time, speed, memory, ratio or share (`71.47 ms`, `1.3x`, `97%`, `48 MiB`), a
+decimal with two or more decimals (`4.23`, a loss) or one in scientific notation (`3.4e-05`; a bare power
+such as `1e-6` is an order of magnitude). Not figures: maths
+and code spans, numbers the notebook's own code sets, and sentences that cite their source (a link, "published",
+"et al."). What is left is a constant or a published figure named in `CONSTANTS` with the reason it holds
+everywhere, or a line marked as the recorded machine's (`RECORDED_LINE`).
+"""
+
+import re
+
+import nbformat
+import pytest
+
+from helpers.notebooks import ROOT, find_notebooks
+
+NOTEBOOKS = find_notebooks()
+IDS = [str(p.relative_to(ROOT)) for p in NOTEBOOKS]
+
+UNIT = (r"(?:ms|µs|us|ns|s|min|tok/s|tokens/s|GB/s|GiB/s|MB/s|TiB|GiB|MiB|KiB|TB|GB|MB|KB|"
+        r"TFLOP/s|GFLOP/s|%|×|x)")
+FIGURE = re.compile(r"(?<![\w.^/$-])(\d[\d,]*(?:\.\d+)?\s?" + UNIT + r"(?![\w/])"
+                    r"|\d[\d,]*\.\d+e[-+]?\d+|\d[\d,]*\.\d{2,}(?![.\d]))")
+NOT_PROSE = re.compile(r"\$\$.*?\$\$|\$[^$\n]*\$|`[^`\n]*`|<[^>\n]*>", re.S)
+CITED = re.compile(r"\]\(https?://|\bpublished\b|et al\.", re.I)
+RECORDED_LINE = "> **On the recorded machine:**"
+SENTENCE = re.compile(r"(?<=[.;:!?])\s+(?=[A-Z*(\[\"'_])|\n\s*\n|\n(?=\s*(?:[-*]|\d+\.)\s)")
+
+# Figures the prose may state, per notebook, and why they hold on every machine.
+CONSTANTS = {
+    "ch03_attention/03_flash_attention.ipynb": {
+        "25%": "analytic: five backward matmuls against four",
+        "1.8x": "the claim the notebook checks, quoted", "1.3x": "the claim the notebook checks, quoted"},
+    "ch04_flops/02_flops_analysis.ipynb": {"312 TFLOP/s": "NVIDIA's datasheet figure for the A100"},
+    "ch05_training/01_pretraining.ipynb": {"0.02": "GPT-2's initialisation"},
+    "ch05_training/05_lr_schedules.ipynb": {"0.02": "GPT-2's initialisation"},
+    "ch05_training/03_mixed_precision.ipynb": {"0.0078": "bf16's machine epsilon, 2**-7",
+                                               "5.96e-08": "fp16's smallest subnormal, 2**-24"},
+    "ch07_parallel/01_data_parallel.ipynb": {"25 MiB": "DDP's default bucket_cap_mb"},
+    "ch07_parallel/04_fsdp.ipynb": {"1.9 GB": "the ZeRO paper's table, which the sentence quotes"},
+    "ch08_modern_llm/01_from_gpt2_to_llama.ipynb": {"1.2 GB": "Qwen3-0.6B's bf16 checkpoint"},
+}
+
+
+def number(figure: str) -> str:
+    return re.match(r"[\d,.]+(?:e[-+]?\d+)?", figure).group().replace(",", "")
+
+
+def quoted_figures(nb, constants=()) -> list[tuple[int, str, str]]:
+    """(cell index, figure, sentence) for each figure a markdown cell states that its notebook does not set."""
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code").replace("_", "")
+    set_by_code = set(re.findall(r"\d+\.?\d*(?:e[-+]?\d+)?", code))
+    found = []
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "markdown":
+            continue
+        lines = [line for line in cell.source.split("\n") if not line.startswith(RECORDED_LINE)]
+        for sentence in SENTENCE.split(NOT_PROSE.sub(" ", "\n".join(lines))):
+            if CITED.search(sentence):
+                continue
+            for figure in FIGURE.findall(sentence):
+                if number(figure) not in set_by_code and figure not in constants:
+                    found.append((index, figure, " ".join(sentence.split())))
+    return found
+
+
+def markdown_notebook(*markdown, code=""):
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)]
+                                    + [nbformat.v4.new_markdown_cell(m) for m in markdown])
+
+
+def test_a_measured_figure_in_the_prose_is_found():
+    nb = markdown_notebook("Compiled SDPA's median (71.47 ms) is 1.3x eager's.",
+                           "The ranks end 3.43e-05 apart; each holds 97% of the parameters, 48 MiB.",
+                           "Validation loss 4.23 after training.")
+    assert [(i, f) for i, f, _ in quoted_figures(nb)] == [
+        (1, "71.47 ms"), (1, "1.3x"), (2, "3.43e-05"), (2, "97%"), (2, "48 MiB"), (3, "4.23")]
+
+
+def test_what_is_not_a_measured_figure_is_left_alone():
+    nb = markdown_notebook(
+        "# Chapter 5.1 — Pretraining; see [5.2](02.ipynb) and chapter 3.3.",
+        "GELU is $0.5x(1 + \\tanh(0.044715 x^3))$, and `lr=3.5e-4` sets the rate; temperatures 0.2 to 2.0.",
+        "The dropout is 0.25 and the warm-up 10% of the steps.",
+        "A100 bf16 is 312 TFLOP/s ([datasheet](https://www.nvidia.com/a100)); Brown et al. used 0.5 M tokens.",
+        "GPT-2 initialises at 0.02.",
+        "> **On the recorded machine:** 71.47 ms.",
+        code="DROPOUT = 0.25\nWARMUP = STEPS // 8")
+    assert [f for _, f, _ in quoted_figures(nb, {"0.02": "GPT-2's initialisation"})] == ["10%"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_the_prose_quotes_no_figure_a_cell_measures(path):
+    nb = nbformat.read(path, as_version=4)
+    found = quoted_figures(nb, CONSTANTS.get(str(path.relative_to(ROOT)), {}))
+    assert not found, "let a cell print these figures, or name a constant in CONSTANTS with why it holds:\n" + \
+        "\n".join(f"  cell {i}: {figure!r} in: {sentence[:160]}" for i, figure, sentence in found)
+
+
+def test_every_constant_is_still_in_its_notebook():
+    for name, constants in CONSTANTS.items():
+        text = "\n".join(c.source for c in nbformat.read(ROOT / name, as_version=4).cells if c.cell_type == "markdown")
+        assert all(figure in text for figure in constants), f"{name}: drop the constants its prose no longer states"
