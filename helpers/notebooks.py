@@ -188,10 +188,11 @@ FINISHED_BAR = re.compile(r"^.*\b100%.*?\b(\d+)/\1\b.*\n?", re.M)  # tqdm's last
 
 
 def clean_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """What a reader of the saved notebook needs from its streams: consecutive stream outputs merged and their
-    carriage-return redraws collapsed; widget bars (which show as nothing on GitHub) read as their final text; then
-    finished progress bars dropped from stderr (they say only that a loop ended; one that stopped early stays) and
-    empty streams dropped; no widget state left in the metadata."""
+    """What a reader of the saved notebook needs from its streams: a bar's redraws joined to the line they redraw,
+    consecutive stream outputs merged and their carriage-return redraws collapsed; widget bars (which show as
+    nothing on GitHub) read as their final text; then finished progress bars dropped from stderr (they say only
+    that a loop ended; one that stopped early stays) and empty streams dropped; no widget state left in the
+    metadata."""
     widgets = nb.metadata.pop("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
     for cell in nb.cells:
         if "outputs" not in cell:
@@ -207,7 +208,7 @@ def clean_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
                 if not out.data:
                     continue
             outputs.append(out)
-        outputs = _merge_streams(outputs)
+        outputs = _merge_streams(_rejoin_redraws(outputs))
         for out in outputs:
             if out.output_type == "stream":
                 out.text = terminal_text(out.text)
@@ -215,6 +216,22 @@ def clean_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
                     out.text = FINISHED_BAR.sub("", out.text)
         cell.outputs = _merge_streams([out for out in outputs if out.output_type != "stream" or out.text.strip()])
     return nb
+
+
+def _rejoin_redraws(outputs: list) -> list:
+    """A stream output that starts with a carriage return redraws the line its stream left open, even when other
+    outputs came between (a progress bar around a loop that prints): its text joins that earlier output."""
+    kept, open_line = [], {}
+    for out in outputs:
+        if out.output_type == "stream":
+            earlier = open_line.get(out.name)
+            if earlier is not None and out.text.startswith("\r"):
+                earlier.text += out.text
+                open_line[out.name] = None if earlier.text.endswith("\n") else earlier
+                continue
+            open_line[out.name] = None if out.text.endswith("\n") else out
+        kept.append(out)
+    return kept
 
 
 def _merge_streams(outputs: list) -> list:
@@ -350,27 +367,29 @@ SAMPLE_TAG = "readme-sample"  # its cell that prints the samples, one `step  'te
 
 
 def recorded_times_table(paths: list[Path], root: Path = ROOT) -> str:
-    """The table of each notebook's last recording: wall time, machine, threads, torch, date; then the
+    """The table of each notebook's last recording: wall time, machine, threads, torch, calibration, date; then the
     minutes of the core path (what `make core` runs), of the lessons (`make course`), of the solutions
     (`make solutions`) and of both."""
-    rows = ["| notebook | minutes | machine | threads | torch | recorded |", "|---|---:|---|---:|---|---|"]
+    rows = ["| notebook | minutes | machine | threads | torch | calibration | recorded |",
+            "|---|---:|---|---:|---|---|---|"]
     seconds = {"lessons": 0.0, "solutions": 0.0}
     core = 0.0
     for path in paths:
         meta = nbformat.read(path, as_version=4).metadata.get("course")
         name = path.resolve().relative_to(root).as_posix()
         if meta is None:
-            rows.append(f"| `{name}` | not recorded | | | | |")
+            rows.append(f"| `{name}` | not recorded | | | | | |")
             continue
         seconds["solutions" if is_solutions(path) else "lessons"] += meta["wall_seconds"]
         core += meta["wall_seconds"] if name in CORE_PATH else 0.0
         bf16 = ", native bf16" if meta.get("bf16_native") else ""
         rows.append(f"| `{name}` | {meta['wall_seconds'] / 60:.1f} | {meta['machine']} ({meta['device']}{bf16}) | "
-                    f"{meta['threads']} | {meta['torch']} | {meta['recorded']} |")
-    rows += [f"| core path (`make core`) | {core / 60:.0f} | | | | |",
-             f"| lessons (`make course`) | {seconds['lessons'] / 60:.0f} | | | | |",
-             f"| solutions (`make solutions`) | {seconds['solutions'] / 60:.0f} | | | | |",
-             f"| all | {sum(seconds.values()) / 60:.0f} | | | | |"]
+                    f"{meta['threads']} | {meta['torch']} | {meta.get('calibration', 'not named')} | "
+                    f"{meta['recorded']} |")
+    rows += [f"| core path (`make core`) | {core / 60:.0f} | | | | | |",
+             f"| lessons (`make course`) | {seconds['lessons'] / 60:.0f} | | | | | |",
+             f"| solutions (`make solutions`) | {seconds['solutions'] / 60:.0f} | | | | | |",
+             f"| all | {sum(seconds.values()) / 60:.0f} | | | | | |"]
     return "\n".join(rows)
 
 
@@ -467,12 +486,16 @@ def record_notebooks(paths: list[Path], threads: int, max_busy: float, force: bo
     whether all were saved."""
     import torch
 
+    from .measure.calibration import load_calibration
     from .system.device import detect_capabilities
     from .system.scale import current_scale
 
     caps = detect_capabilities()
+    torch.set_num_threads(threads)  # the calibration is this machine's at the notebooks' thread count
+    calibration = load_calibration()  # the one every notebook divides by (measured now if the cache has none)
     meta = {"machine": caps.name, "device": caps.device_type, "bf16_native": caps.bf16_native,
-            "torch": torch.__version__, "threads": threads, "scale": current_scale(caps.device_type)}
+            "torch": torch.__version__, "threads": threads, "scale": current_scale(caps.device_type),
+            "calibration": f"{calibration.key} measured {calibration.measured}"}
 
     def quiet(when: str) -> bool:
         busy = busy_cores()

@@ -155,6 +155,18 @@ def test_clean_outputs_keeps_what_a_reader_needs_from_the_streams():
     assert "widgets" not in nb.metadata
 
 
+def test_a_bar_redrawn_between_a_loops_prints_is_dropped_once_finished():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("for mode in tqdm(modes): print(table(mode))", outputs=[
+        nbformat.v4.new_output("stream", name="stderr", text="modes:   0%|          | 0/2 [00:00<?, ?it/s]"),
+        nbformat.v4.new_output("stream", name="stdout", text="fwd table\n"),
+        nbformat.v4.new_output("stream", name="stderr", text="\rmodes:  50%|#####     | 1/2 [00:01<00:01]"),
+        nbformat.v4.new_output("stream", name="stdout", text="fwdbwd table\n"),
+        nbformat.v4.new_output("stream", name="stderr", text="\rmodes: 100%|##########| 2/2 [00:02<00:00]\n"),
+    ])]
+    assert [(o.name, o.text) for o in clean_outputs(nb).cells[0].outputs] == [("stdout", "fwd table\nfwdbwd table\n")]
+
+
 def test_a_widget_bar_is_read_as_its_final_text():
     state = {"box": {"model_name": "HBoxModel", "state": {"children": ["IPY_MODEL_l", "IPY_MODEL_r"]}},
              "l": {"model_name": "HTMLModel", "state": {"value": "load:\u2007100%"}},

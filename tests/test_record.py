@@ -2,12 +2,22 @@
 the time left that `make course` prints."""
 
 import json
+import types
 
 import nbformat
 import pytest
 
 from helpers import __main__ as cli
 from helpers import notebooks
+from helpers.measure import calibration
+
+
+@pytest.fixture(autouse=True)
+def cached_calibration(monkeypatch):
+    """This machine's calibration as the cache holds it: recording names it, and measuring one takes a minute."""
+    cached = types.SimpleNamespace(key="0123456789abcdef", measured="2026-12-01")
+    monkeypatch.setattr(calibration, "load_calibration", lambda *a, **k: cached)
+    return cached
 
 
 def tiny_notebook(path, source="print(6 * 7)"):
@@ -17,7 +27,7 @@ def tiny_notebook(path, source="print(6 * 7)"):
     return path
 
 
-def test_record_writes_outputs_and_metadata_in_place(tmp_path, monkeypatch):
+def test_record_writes_outputs_and_metadata_in_place(tmp_path, monkeypatch, cached_calibration):
     path = tiny_notebook(tmp_path / "a.ipynb", "import os\nprint(os.environ['OMP_NUM_THREADS'], 6 * 7)")
     monkeypatch.setattr(notebooks, "busy_cores", lambda seconds=3.0: 0.0)
     assert cli.main(["record", str(path), "--threads", "1"]) == 0
@@ -26,6 +36,7 @@ def test_record_writes_outputs_and_metadata_in_place(tmp_path, monkeypatch):
     meta = nb["metadata"]["course"]
     assert meta["threads"] == 1 and meta["scale"] in ("cpu", "gpu") and meta["wall_seconds"] > 0
     assert {"machine", "device", "torch", "recorded"} <= set(meta)
+    assert meta["calibration"] == "0123456789abcdef measured 2026-12-01"  # the peaks its outputs divide by
     assert notebooks.recorded_seconds(path) == meta["wall_seconds"]
     assert not list(tmp_path.glob(".record-*"))  # no temporary folder left behind
 
@@ -68,7 +79,8 @@ def test_recorded_times_claims_and_sample(tmp_path):
     paths = [tiny_notebook(tmp_path / f"{i}.ipynb") for i in range(2)]
     nb = nbformat.read(paths[0], as_version=4)
     nb.metadata["course"] = {"wall_seconds": 90.0, "machine": "Test CPU", "device": "cpu", "bf16_native": False,
-                             "threads": 2, "torch": "2.13.0", "recorded": "2026-12-01"}
+                             "threads": 2, "torch": "2.13.0", "calibration": "0123 measured 2026-11-30",
+                             "recorded": "2026-12-01"}
     nb.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="✓ A beats B: 2.0x\nother\n"),
                            nbformat.v4.new_output("stream", name="stderr",
                                                   text="✗ C | D: 0.9x  <- does not hold on this machine\n")]
@@ -77,13 +89,13 @@ def test_recorded_times_claims_and_sample(tmp_path):
     core.parent.mkdir(parents=True)
     nbformat.write(nb, core)
     core_times = notebooks.recorded_times_table([core, *paths], root=tmp_path).splitlines()[-4:]
-    assert core_times[:2] == ["| core path (`make core`) | 2 | | | | |", "| lessons (`make course`) | 3 | | | | |"]
+    assert core_times[:2] == ["| core path (`make core`) | 2 | | | | | |", "| lessons (`make course`) | 3 | | | | | |"]
     times = notebooks.recorded_times_table(paths, root=tmp_path)
-    assert "| `0.ipynb` | 1.5 | Test CPU (cpu) | 2 | 2.13.0 | 2026-12-01 |" in times
+    assert "| `0.ipynb` | 1.5 | Test CPU (cpu) | 2 | 2.13.0 | 0123 measured 2026-11-30 | 2026-12-01 |" in times
     assert "| `1.ipynb` | not recorded |" in times
-    assert times.splitlines()[-4:] == ["| core path (`make core`) | 0 | | | | |",
-                                       "| lessons (`make course`) | 2 | | | | |",
-                                       "| solutions (`make solutions`) | 0 | | | | |", "| all | 2 | | | | |"]
+    assert times.splitlines()[-4:] == ["| core path (`make core`) | 0 | | | | | |",
+                                       "| lessons (`make course`) | 2 | | | | | |",
+                                       "| solutions (`make solutions`) | 0 | | | | | |", "| all | 2 | | | | | |"]
     assert notebooks.notebook_claims(paths[0]) == [(True, "✓ A beats B: 2.0x"), (False, "✗ C | D: 0.9x")]
     claims = notebooks.claims_table(paths, root=tmp_path)
     assert claims.splitlines()[2:] == ["| `0.ipynb` | ✓ A beats B: 2.0x |", "| `0.ipynb` | ✗ C / D: 0.9x |"]
@@ -121,6 +133,10 @@ def test_results_and_readme_show_the_committed_recording():
 
 
 def test_every_notebook_records_its_machine_and_time():
+    recordings = {}
     for path in notebooks.find_notebooks():
         meta = nbformat.read(path, as_version=4).metadata.get("course")
         assert meta and meta["wall_seconds"] > 0 and meta["recorded"], f"{path} was not recorded with `make record`"
+        recordings.setdefault(tuple(meta.get(k) for k in ("machine", "torch", "threads", "calibration")), []).append(
+            path.name)
+    assert len(recordings) == 1, f"record every notebook on one machine, with one calibration: {recordings}"
