@@ -5,14 +5,33 @@ import pytest
 import torch
 
 from helpers import GPT, GPTConfig
-from helpers.inference.compiled_decode import CompiledDecoder, StaticKVCache
+from helpers.inference.compiled_decode import CompiledDecoder, StaticKVCache, decode_attention
 from helpers.inference.kv_cache import KVCache, generate_with_cache
+from helpers.inference.kv_quant import dequantize_kv, quantize_kv
 from helpers.model.decoding import Sampling
 
 GPT2_STYLE = GPTConfig(vocab_size=97, context_length=40, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
 MODERN = GPTConfig(vocab_size=97, context_length=40, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, dropout=0.0,
                    norm="rmsnorm", position_encoding="rope", ffn_type="swiglu", bias=False, tie_weights=False,
                    qk_norm=True)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_decode_attention_is_attention_over_the_cache(kv_heads):
+    """SDPA over the cached keys and values, in float64, with masked slots (not written yet) left out whatever they
+    hold; for an int8 cache, with the scales on the scores and weights, SDPA over the dequantized numbers."""
+    torch.manual_seed(0)
+    q = torch.randn(3, 4, 1, 16, dtype=torch.float64)
+    keys, key_scales = quantize_kv(torch.randn(3, kv_heads, 10, 16, dtype=torch.float64))
+    values, value_scales = quantize_kv(torch.randn(3, kv_heads, 10, 16, dtype=torch.float64))
+    allowed = torch.arange(10)[None, :] <= 6
+    k, v = (dequantize_kv(t, s, torch.float64).repeat_interleave(4 // kv_heads, dim=1)
+            for t, s in ((keys, key_scales), (values, value_scales)))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    torch.testing.assert_close(decode_attention(q, keys, values, allowed, key_scales, value_scales), expected,
+                               rtol=0, atol=1e-13)
+    k, v = (dequantize_kv(t, s, torch.float64) for t, s in ((keys, key_scales), (values, value_scales)))
+    torch.testing.assert_close(decode_attention(q, k, v, allowed), expected, rtol=0, atol=1e-13)
 
 
 def model_and_prompts(config, dtype=torch.float64, batch=2, seq=7):

@@ -5,7 +5,9 @@ memory; torch.compile traces the step once and replaces them with fewer, fused k
 graph only while the shapes stay the same, and `kv_cache.KVCache` attends over the `length` positions filled so
 far, a shape that grows by one every step. `StaticKVCache` attends over all `max_len` slots at every step and masks
 the ones not written yet, with the new token's position passed as a tensor: the step's shapes never change, so one
-graph serves every step (gpt-fast's recipe). The prefill runs eagerly: its length changes with the prompt.
+graph serves every step (gpt-fast's recipe). The prefill runs eagerly: its length changes with the prompt. A decode
+step attends with `decode_attention`, two loops over the cache that the compiler writes itself, so an int8 cache is
+read as int8.
 """
 
 from __future__ import annotations
@@ -60,17 +62,42 @@ class StaticKVCache:
                kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Write k, v (batch, kv_heads, seq, head_dim) at the positions, then attend every query over the slots up to
         its own position: a (seq, max_len) mask, so a slot not written yet (or left from a longer earlier
-        generation) is never seen. An int8 cache is read back whole in the queries' dtype; compiled, that
-        conversion is one fused pass over the int8 bytes."""
+        generation) is never seen. A decode step over an int8 cache attends with `int8_decode_attention`; a
+        prefill reads the cache back in the queries' dtype for the model's kernel."""
         if q.size(0) != self.batch:
             raise ValueError(f"the cache holds {self.batch} sequences but the input has {q.size(0)}")
         self.storage.write(layer, (slice(None), slice(None), self.input_pos), k, v)
-        keys, values = self.storage.read(layer, (slice(None),), q.dtype)
         allowed = self.slots[None, :] <= self.input_pos[:, None]
+        if q.size(2) == 1:  # a decode step: one pass over the cached numbers (int8: no full-precision copy)
+            scales = (self.storage.key_scales[layer], self.storage.value_scales[layer]) if self.int8 else (None, None)
+            return decode_attention(q, self.storage.keys[layer], self.storage.values[layer], allowed, *scales)
+        keys, values = self.storage.read(layer, (slice(None),), q.dtype)
         return kernel(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=allowed, is_causal=False)
 
     def advance(self, seq: int) -> None:
         """Nothing to count: the caller passes every step's positions."""
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                     key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """One new query per sequence, q (batch, heads, 1, head_dim), over a cache (batch, kv_heads, slots, head_dim)
+    where `allowed` (1, slots) is True, written as a multiply and a sum over the slots: compiled, each of the two
+    products is one loop over the cache, which reads every cached number once, whatever the grouping of heads.
+    An int8 cache passes its scales (batch, kv_heads, slots, 1): each slot's scale goes on its score and on its
+    weight instead of on its numbers, q·(s k) = s (q·k) and Σ p (s v) = Σ (p s) v, so the int8 numbers are
+    converted in registers as they are read, where dequantizing first writes a full-precision copy of the cache
+    that attention then reads again. Scores, softmax and sums in float32 at least."""
+    batch, heads, _, head_dim = q.shape
+    kv_heads = keys.size(1)
+    group = q.to(torch.promote_types(q.dtype, torch.float32)).view(batch, kv_heads, heads // kv_heads, 1, head_dim)
+    scores = (group * keys.unsqueeze(2)).sum(-1) / head_dim**0.5  # (batch, kv_heads, group, slots)
+    if key_scales is not None:
+        scores = scores * key_scales.squeeze(-1).unsqueeze(2)
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    if value_scales is not None:
+        weights = weights * value_scales.squeeze(-1).unsqueeze(2)
+    out = (weights.unsqueeze(-1) * values.unsqueeze(2)).sum(-2)  # (batch, kv_heads, group, head_dim)
+    return out.reshape(batch, heads, 1, head_dim).to(q.dtype)
 
 
 class CompiledDecoder:

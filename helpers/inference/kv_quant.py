@@ -3,9 +3,10 @@
 Decoding reads the whole cache at every step, and at long contexts or large batches the cache, not the weights,
 fills the memory: storing it in int8 holds about twice the tokens of bf16 and four times those of fp32 in the
 same bytes. Each head's vector of head_dim numbers at one position gets its own symmetric absmax scale, fixed
-when the token is written (a per-channel scale, as KIVI uses for keys, would change as tokens arrive). Attention
-reads the cache dequantized back to the compute dtype: here a separate step, where a fused kernel would
-dequantize inside the attention loop.
+when the token is written (a per-channel scale, as KIVI uses for keys, would change as tokens arrive). The eager
+caches read it dequantized back to the compute dtype, a separate step before attention; the compiled decode step
+(`compiled_decode.decode_attention`) puts the scales on the scores and weights instead and reads the int8 numbers
+once.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_kv(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (values * scales).to(dtype)  # int8 times float32 promotes to float32 in one pass
+    """values * scales in `dtype`, multiplied in float32 or wider (float64 stays exact)."""
+    return (values.to(torch.promote_types(dtype, scales.dtype)) * scales).to(dtype)
 
 
 def kv_bytes_per_token_int8(config: GPTConfig) -> int:
