@@ -42,7 +42,7 @@ class StaticKVCache:
         self.storage = KVStorage(config.n_layers, (batch, config.kv_heads, max_len, config.head_dim), dtype, device,
                                  int8)
         self.slots = torch.arange(max_len, device=device)
-        self.batch, self.max_len, self.dtype, self.int8 = batch, max_len, dtype, int8
+        self.batch, self.max_len, self.int8 = batch, max_len, int8
         self.input_pos = self.slots[:1]
 
     @property
@@ -62,7 +62,7 @@ class StaticKVCache:
                kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Write k, v (batch, kv_heads, seq, head_dim) at the positions, then attend every query over the slots up to
         its own position: a (seq, max_len) mask, so a slot not written yet (or left from a longer earlier
-        generation) is never seen. A decode step over an int8 cache attends with `int8_decode_attention`; a
+        generation) is never seen. A decode step attends with `decode_attention` (an int8 cache read as int8); a
         prefill reads the cache back in the queries' dtype for the model's kernel."""
         if q.size(0) != self.batch:
             raise ValueError(f"the cache holds {self.batch} sequences but the input has {q.size(0)}")
