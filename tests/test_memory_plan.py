@@ -1,6 +1,7 @@
 """The memory plan (helpers.measure.memory_plan) against real execution, and every notebook's gpu scale planned on
 the GPUs learners use: a free Colab T4 (14.7 GiB, fp16), an L4 (22 GiB, bf16) and an A100-40GB (bf16)."""
 
+import dataclasses
 import functools
 import json
 import re
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 import helpers
+from helpers.inference.kv_cache import kv_cache_bytes_per_token
+from helpers.measure.attention_bench import make_step
 from helpers.measure.memory_plan import (
     CUDA_CONTEXT_BYTES,
     GIB,
@@ -18,10 +21,14 @@ from helpers.measure.memory_plan import (
     MemoryPlan,
     MemoryPlanError,
     fitting,
+    inference_plan,
     largest_fitting,
+    plan_memory,
     training_step_plan,
 )
+from helpers.model.attention import CausalSelfAttention
 from helpers.model.config import GPTConfig
+from helpers.model.gpt import swiglu_hidden_dim
 from helpers.system.device import REFERENCE_DEVICES, autocast_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +111,37 @@ def test_the_chunked_head_is_planned_under_16_bit_autocast(low):
     assert plain.peak_bytes - chunked.peak_bytes >= 2 * logits  # never the whole logits and their gradient
 
 
+@pytest.mark.parametrize("dtype, autocast, cache_len, int8_kv", [
+    (torch.float32, None, None, False),  # an evaluation: every position's logits and the loss
+    (torch.float32, torch.bfloat16, None, False),  # fp32 weights, the forward under autocast
+    (torch.float32, None, 200, False),  # a generation: the prefill into a cache of 200 positions, then one step
+    (torch.bfloat16, None, 256, False),
+    (torch.float32, None, 200, True),  # int8 keys and values with their scales
+])
+def test_an_inference_plan_on_meta_matches_the_same_pass_run_on_cpu(dtype, autocast, cache_len, int8_kv):
+    kwargs = dict(dtype=dtype, autocast=autocast, cache_len=cache_len, int8_kv=int8_kv)
+    planned, measured = inference_plan(SMALL, 4, 128, **kwargs), inference_plan(SMALL, 4, 128, device="cpu", **kwargs)
+    assert planned.peak_bytes == pytest.approx(measured.peak_bytes, rel=0.02)
+    weights = helpers.GPT(SMALL).num_parameters() * dtype.itemsize  # the model arrives in its dtype
+    cache = 0 if cache_len is None else 4 * cache_len * kv_cache_bytes_per_token(SMALL, torch.int8 if int8_kv
+                                                                                  else dtype)
+    scales = 4 * (cache_len or 0) * 2 * SMALL.n_layers * SMALL.kv_heads * 4 if int8_kv else 0  # fp32, per head
+    assert planned.end_bytes == measured.end_bytes == weights + cache + scales
+    assert planned.peak_bytes > planned.end_bytes
+
+
+def test_a_generation_plan_grows_with_its_cache_and_an_evaluation_with_its_logits():
+    config = GPTConfig.from_preset("gpt2-small")
+    short, long = (inference_plan(config, 8, 128, dtype=torch.float16, cache_len=n) for n in (256, 1024))
+    per_position = 8 * kv_cache_bytes_per_token(config, torch.float16)
+    assert long.end_bytes - short.end_bytes == 768 * per_position
+    with torch.device("meta"):
+        n_params = helpers.GPT(config).num_parameters()
+    assert short.peak_bytes - short.end_bytes < 2 * n_params  # built on the host: no fp32 copy on the GPU
+    evaluation = inference_plan(config, 8, 1024, dtype=torch.float16)
+    assert evaluation.peak_bytes - evaluation.end_bytes >= 8 * 1024 * config.vocab_size * 4  # fp32 logits at least
+
+
 def test_fused_attention_is_linear_in_the_sequence_and_math_quadratic():
     config = GPTConfig(vocab_size=64, context_length=2048, d_model=64, n_heads=4, n_layers=1, dropout=0.0)
     fused = [training_step_plan(config, 1, t, steps=1).peak_bytes for t in (1024, 2048)]
@@ -134,7 +172,7 @@ def gpu_parameters():
     """The notebook's parameters cell, run as it runs on a machine with that GPU; read only, as the result is
     shared. Some cells plan GPT-2 sizes to choose theirs (seconds): once per notebook and GPU, by the tests using
     this fixture, which share one worker (tests/conftest.py)."""
-    return functools.cache(parameters_on)
+    return parameters_of
 
 
 def parameters_on(notebook: str, caps) -> dict:
@@ -146,6 +184,9 @@ def parameters_on(notebook: str, caps) -> dict:
     namespace = {"helpers": fake}
     exec("".join(cell["source"]), namespace)
     return namespace
+
+
+parameters_of = functools.cache(parameters_on)
 
 
 def small_width(p: dict, vocab: int = helpers.GPTConfig().vocab_size) -> GPTConfig:
@@ -215,27 +256,207 @@ def workloads(notebook: str, p: dict, caps) -> list[tuple[str, int]]:
         config = GPTConfig(**p["MODEL"], dropout=0.0)
         return [("training", training_step_plan(config, p["BATCH_SIZE"], config.context_length,
                                                 autocast=low).peak_bytes)]
+    return inference_and_later_workloads(notebook, p, caps)
+
+
+def attention_step(name: str, batch: int, seq: int, d_model: int, heads: int, dtype: torch.dtype, mode: str) -> int:
+    """chapter 3's benchmark step (helpers.measure.attention_bench.make_step), replayed on meta."""
+    return plan_memory(lambda: make_step(name, batch, seq, d_model, heads, dtype, torch.device("meta"), mode)[1]()
+                       ).peak_bytes
+
+
+def activation_cases(tokens: int, d_model: int, dtype: torch.dtype) -> int:
+    """ch04/01's activation benchmark: every case's input, output gradient and input gradient alive at once (four
+    elementwise activations at 4d, SwiGLU's gate and up halves at 2h)."""
+    hidden = swiglu_hidden_dim(d_model)
+
+    def work():
+        held = []
+        for width, out in [(4 * d_model, 4 * d_model)] * 4 + [(2 * hidden, hidden)]:
+            t_in = torch.zeros(tokens, width, dtype=dtype, requires_grad=True)
+            grad = torch.ones(tokens, out, dtype=dtype)
+            (t_in[:, :out] * 2).backward(grad)
+            held.append((t_in, grad))
+        return held
+
+    return plan_memory(work).peak_bytes
+
+
+def llama_style(p: dict, vocab: int, context: int, d_model: int, heads: int, layers: int, kv_heads: int,
+                **more) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab, context_length=context, d_model=d_model, n_heads=heads, n_layers=layers,
+                     n_kv_heads=kv_heads, dropout=0.0, norm="rmsnorm", position_encoding="rope", ffn_type="swiglu",
+                     bias=False, tie_weights=False, **more)
+
+
+def inference_and_later_workloads(notebook: str, p: dict, caps) -> list[tuple[str, int]]:
+    """The notebooks after the training chapters (and chapter 3's attention benchmarks): their largest step, each
+    beside what the notebook holds then. Serving engines preallocate their whole paged cache, so a served run is
+    planned as a generation with that many cached positions, plus one layer's keys and values gathered per step."""
+    low = autocast_dtype(caps)
+    low_or_fp32 = low or torch.float32
+    if notebook == "ch03_attention/01_self_attention.ipynb":  # the float64 eager reference of the 4 modules
+        return [("float64 eager reference", attention_step("eager", p["BATCH"], p["SEQ_LEN"], p["D_MODEL"],
+                                                           p["N_HEADS"], torch.float64, "fwd"))]
+    if notebook == "ch03_attention/02_efficient_mha.ipynb":  # the memory sweep grows eager's T x T scores
+        dtype = getattr(torch, p["DTYPE"])
+        return [("fwd + bwd, every implementation", attention_step("eager", p["BATCH"], p["SEQ_LEN"], p["D_MODEL"],
+                                                                  p["N_HEADS"], dtype, "fwdbwd")),
+                (f"eager at {max(p['MEMORY_SEQ_LENS'])} tokens", attention_step(
+                    "eager", 1, max(p["MEMORY_SEQ_LENS"]), p["D_MODEL"], p["N_HEADS"], dtype, "fwd"))]
+    if notebook == "ch03_attention/03_flash_attention.ipynb":
+        return [(f"eager fwd + bwd at {max(p['SEQ_LENS'])} tokens", attention_step(
+            "eager", 1, max(p["SEQ_LENS"]), p["D_MODEL"], p["N_HEADS"], getattr(torch, p["DTYPE"]), "fwdbwd"))]
+    if notebook == "ch03_attention/solutions.ipynb":  # dropout's samples: one forward over many copies
+        def dropout_samples():
+            with torch.no_grad():
+                return CausalSelfAttention(64, 4, dropout=0.1).train()(torch.zeros(p["DROPOUT_SAMPLES"], 16, 64))
+        return [("dropout samples", plan_memory(dropout_samples).peak_bytes)]
+    if notebook == "ch04_flops/01_gpt_model.ipynb":
+        train = GPTConfig(vocab_size=5170, dropout=0.0, **{k: p["TRAIN"][k] for k in (
+            "context_length", "d_model", "n_heads", "n_layers")})
+        activations = activation_cases(p["TOKENS"], p["ACT_D_MODEL"], torch.float32)
+        return [("activation benchmark, fp32", activations),
+                ("training", training_step_plan(train, p["TRAIN"]["batch"], train.context_length,
+                                                autocast=low).peak_bytes + activations // 2)]  # the fp16 cases stay
+    if notebook == "ch04_flops/solutions.ipynb":
+        preset, batch, seq = p["FORWARD"]
+        return [("timed forward", inference_plan(GPTConfig.from_preset(preset, dropout=0.0), batch, seq,
+                                                 autocast=low).peak_bytes)]
+    if notebook == "ch05_training/06_memory_efficient_loading.ipynb":  # in a fresh process, one at a time
+        big = n_params(GPTConfig.from_preset(p["BIG_MODEL"]))
+        return [(f"{p['BIG_MODEL']}, two fp32 copies (map_location, on a host with RAM for two)", 8 * big)]
+    if notebook == "ch05_training/07_decoding.ipynb":
+        config = small_width(p, p["VOCAB"])
+        gpt2 = GPTConfig.from_preset("gpt2-small", dropout=0.0)
+        return [("training", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"], autocast=low).peak_bytes),
+                ("GPT-2 decoding beside the trainer", inference_plan(gpt2, 1, 64, cache_len=128).peak_bytes
+                 + state_bytes(config))]
+    if notebook == "ch06_inference/01_kv_cache.ipynb":
+        config, dtype = GPTConfig.from_preset(p["BATCH_PRESET"], dropout=0.0), getattr(torch, p["DTYPE"])
+        return [("largest batch", inference_plan(config, max(p["BATCHES"]), p["BATCH_PROMPT_LEN"], dtype=dtype,
+                                                 cache_len=p["BATCH_PROMPT_LEN"] + p["BATCH_NEW_TOKENS"]).peak_bytes
+                 + n_params(GPTConfig.from_preset(p["BENCH_PRESET"])) * dtype.itemsize)]
+    if notebook == "ch06_inference/03_continuous_batching.ipynb":  # bench_serve beside the model and its fp64 copy
+        config = GPTConfig.from_preset(p["MODEL"], dropout=0.0)
+        ctx = config.context_length
+        gather = 2 * p["MAX_BATCH"] * ctx * config.d_model * 4
+        return [("bench_serve, fp32", inference_plan(config, p["MAX_BATCH"], 1, cache_len=ctx).peak_bytes
+                 + gather + 12 * n_params(config) + 192 * 16 * kv_cache_bytes_per_token(config))]
+    if notebook == "ch06_inference/04_speculative_decoding.ipynb":
+        target = GPTConfig(vocab_size=p["VOCAB"], context_length=p["CONTEXT"], dropout=0.0,
+                           **dict(zip(("d_model", "n_heads", "n_layers"), p["TARGET_SHAPE"], strict=True)))
+        cached = p["PROMPT_TOKENS"] + p["NEW_TOKENS"] + max(p["KS"])
+        batches = inference_plan(target, 256, p["NEW_TOKENS"], cache_len=cached).peak_bytes + 64 * cached * \
+            kv_cache_bytes_per_token(target)  # the batch-64 cache is still held
+        return [("target training", training_step_plan(target, p["BATCH_SIZE"], p["CONTEXT"], autocast=low).peak_bytes),
+                ("caches at batch 256 (+ AdamW moments kept)", batches + 8 * n_params(target))]
+    if notebook == "ch06_inference/05_prefix_caching.ipynb":  # the fp64 check's engine keeps the bench's blocks
+        config = GPTConfig.from_preset(p["MODEL"], context_length=p["CONTEXT"], dropout=0.0)
+        held = 12 * n_params(config) + 2 * p["CONTEXT"] * kv_cache_bytes_per_token(config, torch.float64)
+        return [("fp64 check", inference_plan(config, p["MAX_BATCH"], 1, dtype=torch.float64,
+                                              cache_len=p["CONTEXT"]).peak_bytes + held)]
+    if notebook == "ch06_inference/06_int8_kv_cache.ipynb":
+        config = GPTConfig(vocab_size=p["VOCAB"], context_length=p["CONTEXT"], dropout=0.0,
+                           **dict(zip(("d_model", "n_heads", "n_layers"), p["SHAPE"], strict=True)))
+        return [("training", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"], autocast=low).peak_bytes)]
+    if notebook == "ch06_inference/07_decode_bandwidth.ipynb":  # batch 64 at the context end, and its fp16 copy
+        config = GPTConfig.from_preset(p["MODEL"], dropout=0.0)
+        return [("decoding at the context end", inference_plan(config, max(p["BATCHES"]), 1, dtype=low_or_fp32,
+                                                               cache_len=config.context_length).peak_bytes
+                 + 4 * n_params(config))]
+    if notebook == "ch06_inference/solutions.ipynb":  # the one GPU workload: 6.2's training
+        config = GPTConfig(vocab_size=5170, dropout=0.0, **p["QUANT_MODEL"])
+        return [("6.2 training", training_step_plan(config, p["BATCH_SIZE"], config.context_length,
+                                                    autocast=low).peak_bytes)]
+    if notebook == "ch07_parallel/solutions.ipynb":
+        ddp, act = (GPTConfig.from_preset(spec[0], dropout=0.0, **spec[1]) for spec in (p["DDP_MODEL"], p["ACT_MODEL"]))
+        zero = GPTConfig.from_preset(p["ZERO_MODEL"][0], dropout=0.0, **p["ZERO_MODEL"][1])
+        vectors = 8 * n_params(ddp)  # one float64 copy of the model's size: a flat gradient, a model, a moment
+        held = 12 * vectors  # 7.1's flat gradients and 7.2's float64 models and AdamW moments, still bound
+        last_stage = dataclasses.replace(act, n_layers=-(-act.n_layers // p["ACT_STAGES"]))
+        return [("7.1 float64 shard gradients", 2 * training_step_plan(ddp, p["DDP_BATCH"], ddp.context_length,
+                                                                       steps=1).peak_bytes + 5 * vectors),
+                # one stage's forward kept for its backward (the last: its blocks and the head), the model and its
+                # stages beside it
+                ("7.3 stage activations", plan_memory(lambda: helpers.GPT(last_stage)(
+                    torch.zeros(p["ACT_BATCH"], act.context_length, dtype=torch.long))).peak_bytes + held
+                 + 8 * n_params(act)),
+                ("7.4 ZeRO's AdamW step", training_step_plan(zero, 2, zero.context_length, steps=1).peak_bytes
+                 + held + 8 * n_params(act))]  # 7.3's model and its stages
+    if notebook in ("ch08_modern_llm/01_from_gpt2_to_llama.ipynb", "ch08_modern_llm/solutions.ipynb"):
+        config = llama_style(p, p["VOCAB"], p["CONTEXT"], p["D_MODEL"], p["N_HEADS"], p["N_LAYERS"], p["KV_HEADS"],
+                             qk_norm=True)
+        largest = llama_style(p, p["VOCAB"], p["CONTEXT"], p["D_MODEL"], p["N_HEADS"], p["N_LAYERS"], p["N_HEADS"])
+        trainers_held = 6 if notebook.startswith("ch08_modern_llm/01") else 1  # 01 times its 7 trainers together
+        return [("training beside the other trainers", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"],
+                                                                          autocast=low).peak_bytes
+                 + trainers_held * state_bytes(largest))]
+    if notebook == "ch08_modern_llm/02_kv_memory.ipynb":
+        mha, gqa = (llama_style(p, 4096, p["CONTEXT"], p["D_MODEL"], p["N_HEADS"], p["N_LAYERS"], kv)
+                    for kv in (p["N_HEADS"], p["KV_HEADS"]))
+        sequences = p["MHA_SEQUENCES"] * p["N_HEADS"] // p["KV_HEADS"]  # GQA's blocks at MHA's bytes
+        gather = 2 * p["MAX_BATCH"] * p["CONTEXT"] * gqa.kv_heads * gqa.head_dim * 4
+        return [("GQA served", inference_plan(gqa, sequences, 1, cache_len=p["CONTEXT"]).peak_bytes + gather
+                 + 4 * n_params(mha))]
     raise KeyError(notebook)
 
 
-PLANNED = ["ch04_flops/02_flops_analysis.ipynb", "ch05_training/01_pretraining.ipynb",
-           "ch05_training/02_gradient_accumulation.ipynb", "ch05_training/03_mixed_precision.ipynb",
-           "ch05_training/04_training_speed.ipynb", "ch05_training/05_lr_schedules.ipynb",
-           "ch05_training/08_activation_memory.ipynb", "ch05_training/solutions.ipynb",
-           "ch06_inference/02_quantization.ipynb"]
+NOTEBOOKS = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("ch*/*.ipynb"))
+# Notebooks whose own process puts no tensor on the GPU at the gpu scale (each still holds a CUDA context from
+# its setup cell's attention check), with the reason.
+NO_GPU_WORK = {
+    "ch02_text/01_tokenization.ipynb": "tokenizers run on the CPU",
+    "ch02_text/02_data.ipynb": "datasets, loaders and one embedding lookup on the CPU",
+    "ch02_text/solutions.ipynb": "tokenizers and tables on the CPU",
+    **{f"ch07_parallel/0{i}_{name}.ipynb": "torchrun workers on the CPU with gloo: two processes, one GPU"
+       for i, name in enumerate(["data_parallel", "tensor_parallel", "pipeline_parallel", "fsdp",
+                                 "ddp_from_scratch"], start=1)},
+}
+PLANNED = [n for n in NOTEBOOKS if n not in NO_GPU_WORK]
+
+
+@functools.cache
+def planned_workloads(notebook: str, gpu: str) -> list[tuple[str, int]]:
+    """`workloads` on that GPU, planned once for the tests and the README's table."""
+    caps = REFERENCE_DEVICES[gpu]
+    return workloads(notebook, parameters_of(notebook, caps), caps)
 
 
 @pytest.mark.parametrize("gpu", GPUS)
 @pytest.mark.parametrize("notebook", PLANNED)
 def test_every_notebook_plans_within_the_gpus_memory(notebook, gpu, gpu_parameters):
     caps = REFERENCE_DEVICES[gpu]
-    p = gpu_parameters(notebook, caps)
-    planned = workloads(notebook, p, caps)
+    planned = planned_workloads(notebook, gpu)
     assert planned, f"{notebook} runs nothing at the gpu scale on {caps.name}"
     for what, peak in planned:
         plan = MemoryPlan(peak, 0)
         assert plan.fits(caps), f"{notebook}, {what} on {caps.name}: {plan}, the GPU has " \
                                 f"{caps.total_memory_bytes / GIB:.1f} GiB"
+
+
+def memory_table() -> str:
+    """The README's table: each notebook's largest planned step on each GPU, in GiB with the allowance."""
+    lines = ["| notebook | largest step on a T4 | T4 (fp16) | L4 (bf16) | A100-40GB (bf16) |", "|---|---|---|---|---|"]
+    for notebook in NOTEBOOKS:
+        if notebook in NO_GPU_WORK:
+            lines.append(f"| `{notebook}` | none: {NO_GPU_WORK[notebook]} | – | – | – |")
+            continue
+        cells, what = [], None
+        for gpu in GPUS:
+            label, peak = max(planned_workloads(notebook, gpu), key=lambda w: w[1])
+            what = what or label
+            cells.append(f"{MemoryPlan(peak, 0).required_bytes / GIB:.1f}")
+        lines.append(f"| `{notebook}` | {what} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def test_the_readme_shows_every_notebooks_plan(gpu_parameters):
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- memory plan: tests/test_memory_plan.py -->\n", "\n<!-- end of memory plan -->"
+    shown = readme[readme.index(start) + len(start):readme.index(end)]
+    expected = memory_table()
+    assert shown == expected, "the README's memory table differs from the plans; it should read:\n" + expected
 
 
 def test_a_t4_gets_fp16_where_a_notebook_used_to_hard_code_bf16(gpu_parameters):
@@ -253,9 +474,6 @@ def test_the_gpu_sizes_follow_the_gpus_memory(gpu_parameters):
     assert t4[accumulation]["EFFECTIVE_BATCH"] < a100[accumulation]["EFFECTIVE_BATCH"]
     assert t4[flops]["BENCH_PRESETS"] == ["gpt2-small"]
     assert len(a100[flops]["BENCH_PRESETS"]) > 1
-
-
-NOTEBOOKS = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("ch*/*.ipynb"))
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS)

@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..inference.kv_cache import KVCache
 from ..model.config import GPTConfig
 from ..model.gpt import GPT
 from ..system.device import DeviceCapabilities
@@ -177,11 +178,14 @@ class MemoryPlan:
         return f"peak {self.peak_bytes / GIB:.2f} GiB of tensors, {self.required_bytes / GIB:.2f} GiB with allowance"
 
 
-def plan_memory(work: Callable[[], object], *, device: str = "meta", fused_attention: bool = True) -> MemoryPlan:
+def plan_memory(work: Callable[..., object], *, device: str = "meta", fused_attention: bool = True,
+                setup: Callable[[], object] | None = None) -> MemoryPlan:
     """Run `work()` (which creates its tensors on the default device) on `device` and return its tensor memory.
 
     device: "meta" plans without running anything (`fused_attention` then stands in a GPU's fused attention);
     "cpu" runs the work for real and measures it the same way (the reference a plan is checked against).
+    setup: what arrives whole before the work (a model built on the host, then moved to the GPU in its dtype):
+    its tensors count as held, the temporaries of making them do not; the work is then `work(setup())`.
     """
     tracker = LiveTensorBytes()
     with contextlib.ExitStack() as stack:
@@ -189,10 +193,23 @@ def plan_memory(work: Callable[[], object], *, device: str = "meta", fused_atten
         if fused_attention and device == "meta":
             stack.enter_context(FusedAttention())
         stack.enter_context(tracker)
-        kept = work()
+        if setup is None:
+            kept = work()
+        else:
+            made = setup()
+            tracker.peak = tracker.current
+            kept = work(made)
+            del made
         end = tracker.current
     del kept
     return MemoryPlan(tracker.peak, end)
+
+
+def precision(autocast: torch.dtype | None, device: str):
+    """Autocast to `autocast` (None: none), or the plan's stand-in for it on the meta device."""
+    if autocast is None:
+        return contextlib.nullcontext()
+    return AutocastPlan(autocast) if device == "meta" else torch.autocast(device, dtype=autocast)
 
 
 @functools.lru_cache(maxsize=256)  # a plan replays the whole step: notebooks and tests ask for the same ones
@@ -210,18 +227,13 @@ def training_step_plan(config: GPTConfig, batch: int, seq: int, *, autocast: tor
         raise ValueError("plan activation checkpointing in fp32 with fused_attention=False (or on a real device): "
                          "the plan's stand-ins for autocast and fused attention do not reach the recomputation")
 
-    def precision():
-        if autocast is None:
-            return contextlib.nullcontext()
-        return AutocastPlan(autocast) if device == "meta" else torch.autocast(device, dtype=autocast)
-
     def work():
         model = GPT(config, attn_implementation=attn_implementation).set_activation_checkpointing(checkpointing)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         x = torch.zeros(batch, seq, dtype=torch.long)
         for _ in range(steps):
             for _ in range(micro_batches):
-                with precision():
+                with precision(autocast, device):
                     if loss_chunk is not None:
                         summed = model.loss_sum(x, x, loss_chunk)
                     else:
@@ -239,6 +251,33 @@ def training_step_plan(config: GPTConfig, batch: int, seq: int, *, autocast: tor
         return model, optimizer
 
     return plan_memory(work, device=device, fused_attention=fused_attention)
+
+
+@functools.lru_cache(maxsize=256)
+def inference_plan(config: GPTConfig, batch: int, seq: int, *, dtype: torch.dtype = torch.float32,
+                   autocast: torch.dtype | None = None, cache_len: int | None = None, int8_kv: bool = False,
+                   fused_attention: bool = True, device: str = "meta") -> MemoryPlan:
+    """The memory of a forward pass without gradients over (batch, seq) tokens, the weights in `dtype` (and the
+    forward under `autocast`, as a timed fp32 model runs in 16 bits).
+
+    cache_len None: an evaluation (every position's logits and the loss, in fp32 at least). Otherwise a
+    generation: the prefill of `seq` prompt tokens into a KV cache of `cache_len` positions (`int8_kv`: int8 with
+    its scales), the LM head at the last position only, then one decode step. The cache is allocated whole before
+    the prefill, so this is the peak of generating up to `cache_len` positions: a decode step passes one token.
+    `end_bytes`: the weights, and the cache. device: "meta" plans, "cpu" measures (see `plan_memory`)."""
+    def work(model):
+        x = torch.zeros(batch, seq, dtype=torch.long)
+        with torch.no_grad(), precision(autocast, device):
+            if cache_len is None:
+                token_loss_sum(model(x), x)
+                return model
+            cache = KVCache(config, batch, cache_len, dtype, device, int8=int8_kv)
+            last = model(x, cache=cache, logits_at=torch.tensor([seq - 1]))[:, -1]
+            model(last.argmax(-1, keepdim=True), cache=cache)
+            return model, cache
+
+    return plan_memory(work, device=device, fused_attention=fused_attention,
+                       setup=lambda: GPT(config).to(dtype).eval())
 
 
 class MemoryPlanError(RuntimeError):
