@@ -42,11 +42,11 @@ DISK_NEEDED_GB = {"lowest": 12, "newest": 7}
 
 
 def lower_bounds(requirements: list[str]) -> list[str]:
-    """`name==version` for every `name>=version` requirement (markers kept)."""
+    """`name==version` for every `name>=version` requirement, with or without an upper bound (markers kept)."""
     pins = []
     for requirement in requirements:
         spec, _, marker = requirement.partition(";")
-        found = re.fullmatch(r"\s*([A-Za-z0-9._-]+)\s*>=\s*([^,\s]+)\s*", spec)
+        found = re.fullmatch(r"\s*([A-Za-z0-9._-]+)\s*>=\s*([^,\s]+)\s*(?:,\s*<\s*[^,\s]+\s*)?", spec)
         if found:
             pins.append(f"{found[1]}=={found[2]}" + (f"; {marker.strip()}" if marker else ""))
     return pins

@@ -456,7 +456,15 @@ def test_the_readme_shows_every_notebooks_plan(gpu_parameters):
     start, end = "<!-- memory plan: tests/test_memory_plan.py -->\n", "\n<!-- end of memory plan -->"
     shown = readme[readme.index(start) + len(start):readme.index(end)]
     expected = memory_table()
-    assert shown == expected, "the README's memory table differs from the plans; it should read:\n" + expected
+    message = "the README's memory table differs from the plans; it should read:\n" + expected
+
+    def numbers(table):
+        return [float(n) for n in re.findall(r"\| (\d+\.\d) ", table)]
+
+    assert re.sub(r"\| \d+\.\d ", "| ", shown) == re.sub(r"\| \d+\.\d ", "| ", expected), message
+    # within 5%: a replay allocates what that torch release's kernels and autograd allocate (the lowest torch the
+    # course supports planned ch04/01's activation benchmark at 2.8 GiB, the CPU build it is recorded with at 2.7)
+    assert numbers(shown) == pytest.approx(numbers(expected), rel=0.05), message
 
 
 def test_a_t4_gets_fp16_where_a_notebook_used_to_hard_code_bf16(gpu_parameters):

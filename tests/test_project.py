@@ -108,7 +108,7 @@ def test_the_lowest_environment_pins_every_declared_lower_bound():
         name, bound = re.match(r"([A-Za-z0-9._-]+)>=([^;,\s]+)", requirement).groups()
         marker = requirement.partition(";")[2].strip()
         assert f"{name}=={bound}" + (f"; {marker}" if marker else "") in pins, requirement
-    assert load_matrix().lower_bounds(["torch>=2.8", "numpy", "x>=1,<2"]) == ["torch==2.8"]  # only plain bounds
+    assert load_matrix().lower_bounds(["torch>=2.8", "numpy", "x>=1,<2", "y<3"]) == ["torch==2.8", "x==1"]
 
 
 @pytest.mark.subprocess
@@ -123,3 +123,44 @@ def test_make_lab_installs_what_the_notebooks_need_and_make_test_adds_the_develo
     lab, test = planned("lab"), planned("test")
     assert "-r requirements.txt -e .\n" in lab and "[dev]" not in lab and "jupyter lab" in lab
     assert "-r requirements.txt -e .\n" in test and '-e ".[dev]"' in test and "pytest" in test
+
+
+SHARED_FIXTURE_TESTS = '''import os
+import pathlib
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def launch():  # as a torchrun launch: computed once per worker that runs a test using it
+    return os.environ["PYTEST_XDIST_WORKER"]
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_shared(launch, i, tmp_path_factory):
+    (tmp_path_factory.getbasetemp().parent.parent / f"shared-{i}").write_text(launch)
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_alone(i):
+    pass
+'''
+
+
+@pytest.mark.subprocess
+def test_tests_sharing_a_module_fixture_run_on_one_worker(tmp_path):
+    """make test's --dist loadgroup sends the tests that share a module-scoped result (a torchrun launch, a plan) to
+    one worker, from the xdist_group marks tests/conftest.py adds; with pytest 9.2 and pytest-xdist 3.8 the marks were
+    ignored, and each worker launched its own."""
+    (tmp_path / "conftest.py").write_text(  # the course's collection hook, which adds the marks
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('course_conftest', {str(ROOT / 'tests/conftest.py')!r})\n"
+        "course = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(course)\n"
+        "pytest_collection_modifyitems = course.pytest_collection_modifyitems\n")
+    (tmp_path / "test_shared_fixture.py").write_text(SHARED_FIXTURE_TESTS)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p",
+                          "no:cacheprovider", f"--basetemp={tmp_path / 'base'}", "test_shared_fixture.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    workers = {(tmp_path / f"shared-{i}").read_text() for i in range(6)}
+    assert len(workers) == 1, f"the 6 tests sharing one module fixture ran on {sorted(workers)}"
