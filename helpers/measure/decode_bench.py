@@ -100,12 +100,13 @@ def _decode_step(model: GPT, batch: int, positions: int, int8_kv: bool, device: 
     return step
 
 
-def _compiled_step(model: GPT, batch: int, positions: int, int8_kv: bool, device: torch.device
-                   ) -> Callable[[], object]:
+def _compiled_step(model: GPT, batch: int, positions: int, int8_kv: bool, device: torch.device,
+                   backend: str) -> Callable[[], object]:
     """The same step compiled over a static cache (`helpers.inference.compiled_decode`): each call rewrites the last
     slot. It is compiled here, before timing: the first call traces and compiles, the others replay."""
     prompt, token = _step_inputs(model.config, batch, positions, device)
-    decoder = CompiledDecoder(model, batch, positions + 1, kv_cache_dtype="int8" if int8_kv else "auto")
+    decoder = CompiledDecoder(model, batch, positions + 1, kv_cache_dtype="int8" if int8_kv else "auto",
+                              backend=backend)
     decoder.prefill(prompt)
     position = torch.tensor([positions], device=device)
 
@@ -130,13 +131,15 @@ def _recompute_step(model: GPT, batch: int, positions: int, device: torch.device
 
 
 def bench_decode(model: GPT, batches: list[int], positions: int, calibration: Calibration,
-                 setups: tuple[str, ...] = SETUPS, rounds: int = 5) -> list[DecodeResult]:
+                 setups: tuple[str, ...] = SETUPS, rounds: int = 5, backend: str = "inductor") -> list[DecodeResult]:
     """Time one decode step of `model` (eval, on its device, in its dtype) per setup and batch size, all
     interleaved. "int8 weights" quantizes a copy (weight-only, every Linear but the tied LM head; on any device);
     "compiled" compiles the step over a static cache once per batch size before timing (seconds each); "compiled
     int8" compiles a copy whose every Linear, the LM head included, is int8 weight-only, with the embedding reading
     the head's int8 rows (`quantization.tie_int8_embedding`), so the compiler can fuse each dequantization into its
-    matrix multiply; "compiled int8 KV" compiles the step over an int8 cache."""
+    matrix multiply; "compiled int8 KV" compiles the step over an int8 cache. `backend`: torch.compile's ("eager"
+    traces the whole step, fullgraph, and runs it without generating code: seconds less per setup, where only the
+    path and the bytes matter)."""
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
         raise ValueError(f"unknown setups {unknown}; valid: {', '.join(SETUPS)}")
@@ -161,7 +164,7 @@ def bench_decode(model: GPT, batches: list[int], positions: int, calibration: Ca
             if setup == "no cache":
                 steps[setup, batch] = _recompute_step(m, batch, positions, device)
             elif setup.startswith("compiled"):
-                steps[setup, batch] = _compiled_step(m, batch, positions, setup.endswith("KV"), device)
+                steps[setup, batch] = _compiled_step(m, batch, positions, setup.endswith("KV"), device, backend)
             else:
                 steps[setup, batch] = _decode_step(m, batch, positions, setup == "int8 KV", device)
     times = interleaved(steps, device, rounds=rounds)
