@@ -18,7 +18,15 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..model.attention import IMPLEMENTATIONS, AttentionCall, CausalSelfAttention, unavailable_reason
+from ..model.attention import (
+    IMPLEMENTATIONS,
+    AttentionCall,
+    CausalSelfAttention,
+    fused_kernel_shares_kv_heads,
+    repeat_kv,
+    unavailable_reason,
+)
+from ..model.config import GPTConfig
 from ..system.args import positive_float
 from ..system.cli import Command, add_device, add_json, add_scaled, fill_scale_defaults
 from ..system.device import DTYPES, parse_dtype
@@ -216,6 +224,26 @@ def sdpa_backend_used(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **sdpa_
             if f"_scaled_dot_product_{key}" in op or f"_{key}_attention" in op:
                 return backend
     return "math"
+
+
+def grouped_attention_kernel(config: GPTConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
+                             queries: int | None = None) -> str:
+    """The SDPA kernel a model's attention runs on this device over `seq` keys, and for grouped-query attention
+    whether its key/value heads are shared in the kernel or copied first (`helpers.model.attention.sdpa_grouped`).
+    queries None: as many queries, causal (training, a prefill); a number: that many new queries with an explicit
+    mask, as a KV cache or a paged serving engine asks (1 when decoding)."""
+    masked = queries is not None
+    q = torch.zeros(batch, config.n_heads, queries or seq, config.head_dim, device=device, dtype=dtype)
+    k = torch.zeros(batch, config.kv_heads, seq, config.head_dim, device=device, dtype=dtype)
+    mask = torch.ones(queries, seq, dtype=torch.bool, device=device).tril(seq - queries) if masked else None
+    groups = config.n_heads // config.kv_heads
+    shared = groups == 1 or fused_kernel_shares_kv_heads(q, k, k, mask, 0.0, not masked)
+    if not shared:
+        k = repeat_kv(k, groups)
+    kernel = sdpa_backend_used(q, k, k, attn_mask=mask, is_causal=not masked, enable_gqa=shared and groups > 1)
+    if groups == 1:
+        return kernel
+    return f"{kernel}, key/value heads {'shared in the kernel' if shared else 'copied to every query head'}"
 
 
 def flash_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **sdpa_kwargs) -> str | None:

@@ -83,12 +83,37 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     return weights @ v
 
 
+def fused_kernel_shares_kv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                                 dropout_p: float, is_causal: bool) -> bool:
+    """Whether one of SDPA's fused kernels takes these inputs with grouped key/value heads (`enable_gqa`).
+
+    PyTorch's CPU kernel does, with or without a mask. On CUDA PyTorch is asked: flash takes grouped heads but needs
+    sm80+, 16-bit inputs and no mask; the memory-efficient kernel takes them only in recent releases. Where none
+    does, SDPA falls back to its math kernel, which materialises the T x T scores.
+    """
+    if q.device.type != "cuda" or torch.compiler.is_compiling():  # compiled: the compiler picks the kernel
+        return True
+    params = torch.backends.cuda.SDPAParams(q, k, v, attn_mask, dropout_p, is_causal, True)
+    return torch.backends.cuda.can_use_flash_attention(params) or torch.backends.cuda.can_use_efficient_attention(
+        params)
+
+
+def sdpa_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                 attn_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+    """SDPA over grouped-query heads: shared in the kernel where a fused kernel takes them, else copied
+    (`repeat_kv`), so that the memory-efficient kernel runs instead of the math one (a T4, a masked call)."""
+    groups = kv_groups(q, k)
+    if groups > 1 and not fused_kernel_shares_kv_heads(q, k, v, attn_mask, dropout_p, is_causal):
+        k, v, groups = repeat_kv(k, groups), repeat_kv(v, groups), 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          enable_gqa=groups > 1)
+
+
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                    attn_mask: torch.Tensor | None = None, is_causal: bool = True) -> torch.Tensor:
     """PyTorch's fused kernel; `is_causal=True` (no explicit mask) lets it pick FlashAttention. Fewer key/value heads
-    than query heads (GQA) are shared in the kernel (`enable_gqa`), not copied."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                          enable_gqa=kv_groups(q, k) > 1)
+    than query heads (GQA) are shared in the kernel where one takes them (`sdpa_grouped`)."""
+    return sdpa_grouped(q, k, v, dropout_p, attn_mask, is_causal)
 
 
 def sdpa_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
@@ -100,8 +125,7 @@ def sdpa_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dro
     """
     if is_causal:
         attn_mask = ~_future_mask(q.size(-2), q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                          enable_gqa=kv_groups(q, k) > 1)
+    return sdpa_grouped(q, k, v, dropout_p, attn_mask, False)
 
 
 def _causal(batch, head, q_idx, kv_idx):
