@@ -117,10 +117,9 @@ def pytest_collection_modifyitems(config, items):
         for name in dict.fromkeys(names):
             if item.get_closest_marker(name) is None:
                 item.add_marker(name)
-        if shares_a_module_fixture(item) and item.get_closest_marker("xdist_group") is None:
+        if shares_a_module_fixture(item):
             # tests sharing a module-scoped result (a torchrun launch, an interpreter run) go to one worker, so
-            # the result is computed once (`--dist loadgroup`); a test given its group by hand keeps it (the
-            # notebooks share a cache that only ch05/01 and ch05/07, grouped, use: the others spread)
+            # the result is computed once (`--dist loadgroup`)
             item.add_marker(pytest.mark.xdist_group(module))
     # the long ones first (notebooks, then the groups sharing a launch): workers take tests in this order, so the
     # run ends on short unit tests that fill both workers rather than on one notebook with the other idle
