@@ -41,7 +41,7 @@ MODULE_MARKERS = {
     "test_lm_head": ("versions",),  # a custom autograd Function under autocast; dispatch-mode byte counts
     "test_loading": ("versions",),  # torch.load(mmap=True), safetensors
     "test_memory_plan": ("versions",),  # fake tensors and a dispatch mode (torch's private APIs)
-    "test_modern": ("versions",),  # transformers' Llama and Qwen3; a dispatch-mode recorder
+    "test_modern": ("versions",),  # transformers' Llama and Qwen3
     "test_quantization": ("versions",),  # torchao, torch._int_mm
     "test_step": ("versions",),  # torch.compile, transformers' loss
     "test_train_bench": ("versions",),  # torch.compile, transformers' GPT-2 as the peer

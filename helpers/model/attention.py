@@ -87,9 +87,10 @@ def fused_kernel_shares_kv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  dropout_p: float, is_causal: bool) -> bool:
     """Whether one of SDPA's fused kernels takes these inputs with grouped key/value heads (`enable_gqa`).
 
-    PyTorch's CPU kernel does, with or without a mask. On CUDA PyTorch is asked: flash takes grouped heads but needs
-    sm80+, 16-bit inputs and no mask; the memory-efficient kernel takes them only in recent releases. Where none
-    does, SDPA falls back to its math kernel, which materialises the T x T scores.
+    On the CPU they stay shared (recent PyTorch runs them in its CPU flash kernel, with or without a mask; torch
+    2.8 in the math one). On CUDA PyTorch is asked: flash takes grouped heads but needs sm80+, 16-bit inputs and
+    no mask; the memory-efficient kernel takes them only in recent releases. Where none does, SDPA falls back to
+    its math kernel, which materialises the T x T scores.
     """
     if q.device.type != "cuda" or torch.compiler.is_compiling():  # compiled: the compiler picks the kernel
         return True
