@@ -368,12 +368,13 @@ class Ladder:
 
     def _measured(self, result: RungResult, seconds: list[float], losses: list[float]) -> RungResult:
         s = StepSettings(**result.settings)
-        median = statistics.median(seconds)
-        return dataclasses.replace(result, status="ok", step_ms=1e3 * median, tokens_per_s=s.tokens_per_step / median,
-                                   step_ms_runs=[1e3 * t for t in seconds],
-                                   tokens_per_s_iqr=list(Spread(tuple(seconds)).map(
-                                       lambda t: s.tokens_per_step / t).quartiles),
-                                   mfu=mfu(self.flops_per_step(s) / median, self.peak.flops),
+        # the median of tokens/s, not tokens over the median time: with an even number of steps those differ, and
+        # only the first lies within the quartiles it is shown with
+        rate = Spread(tuple(seconds)).map(lambda t: s.tokens_per_step / t)
+        return dataclasses.replace(result, status="ok", step_ms=1e3 * statistics.median(seconds),
+                                   tokens_per_s=rate.median, step_ms_runs=[1e3 * t for t in seconds],
+                                   tokens_per_s_iqr=list(rate.quartiles),
+                                   mfu=mfu(self.flops_per_step(s) / s.tokens_per_step * rate.median, self.peak.flops),
                                    first_loss=losses[0], last_loss=losses[-1])
 
     def climb(self, progress: bool = False, on_rung: Callable[[], None] | None = None) -> list[RungResult]:
@@ -468,9 +469,9 @@ class Ladder:
             steps["transformers_compiled"] = self._step(copy.deepcopy(peer), same, peer_logits)
         warm = {name: warm_up(step, self.warmup) for name, step in steps.items()}
         rounds = timed_rounds(steps, self.steps, self.device)
-        tokens = {name: s.tokens_per_step / statistics.median(seconds) for name, (seconds, _) in rounds.items()}
         spread = {name: Spread(tuple(seconds)).map(lambda t: s.tokens_per_step / t)
                   for name, (seconds, _) in rounds.items()}
+        tokens = {name: rate.median for name, rate in spread.items()}
         peer_name = "transformers_compiled" if s.compile else "transformers_eager"
         out |= {"status": "ok",
                 "note": "transformers trained with our best rung's settings (those it has), timed interleaved",
