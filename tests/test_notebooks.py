@@ -63,12 +63,15 @@ def smoke_param(path):
 
 
 @pytest.mark.parametrize("path", [smoke_param(p) for p in NOTEBOOKS], ids=IDS)
-def test_notebook_runs_at_smoke_scale(path, tmp_path, monkeypatch, shared_run_cache):
+def test_notebook_runs_at_smoke_scale(path, tmp_path, monkeypatch, request):
     """Every notebook runs; one whose DEVICE is the CPU here runs with it on a virtual second device, so a tensor,
     cache or generator left on the CPU fails here as it would on a GPU."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # run as a learner would (an old triton's tests set it)
     name = str(path.relative_to(ROOT))
     if name in SHARED_RUN:
+        # asked for here, not in the signature: a test naming the module's fixture joins the module's xdist group,
+        # and the other notebooks would all run on one worker
+        shared_run_cache = request.getfixturevalue("shared_run_cache")
         monkeypatch.setenv(CACHE_ENV, str(shared_run_cache["directory"]))
     virtual = name not in NOT_ON_THE_VIRTUAL_DEVICE
     run = execute_notebook(path, tmp_path / path.name, smoke=True, timeout=300, virtual_device=virtual)
