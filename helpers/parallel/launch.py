@@ -70,30 +70,48 @@ def _catches(pid: int, signum: int) -> bool:
     return False
 
 
-def _dump_stacks(proc: subprocess.Popen, wait_s: float = 15.0) -> tuple[int, int]:
-    """Ask every worker that can (faulthandler on SIGUSR1, registered by `setup`) to print its stack, and wait until
-    as many stacks have arrived, or `wait_s` passed (a loaded machine may take a while to schedule them); the pipe
-    keeps what was read for the next `communicate`. Returns (workers that were asked, workers)."""
+STACK_HEADER = re.compile(r"^(?:Current thread|Thread) 0x", flags=re.M)  # faulthandler's first line per thread
+
+
+def _rank_of(pid: int) -> int | None:
+    """The worker's rank, from its environment (torchrun sets RANK); None where that cannot be read."""
+    try:
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(b"RANK="):
+                return int(item[5:])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _dump_stacks(proc: subprocess.Popen, wait_s: float = 15.0) -> tuple[dict[str, str], int]:
+    """Ask every worker that can (faulthandler on SIGUSR1, registered by `setup`) to print its stack, one worker at a
+    time: they share torchrun's pipe, and two dumps written at once interleave character by character. Each is
+    waited for until it stops growing, `wait_s` in all (a loaded machine may take a while to schedule a worker); the
+    pipe keeps what was read for the next `communicate`. Returns each asked worker's stack by rank ("" where none
+    arrived in time) and the number of workers."""
     workers = _descendants(proc.pid) or []
     if not hasattr(signal, "SIGUSR1"):
-        return 0, len(workers)
-    ready = [pid for pid in workers if _catches(pid, signal.SIGUSR1)]
-    for pid in ready:
+        return {}, len(workers)
+    stacks, output, deadline = {}, "", time.monotonic() + wait_s
+    ranks = {pid: _rank_of(pid) for pid in workers if _catches(pid, signal.SIGUSR1)}
+    for pid in sorted(ranks, key=lambda pid: (ranks[pid] is None, ranks[pid] or 0, pid)):
+        rank, start = f"rank {ranks[pid]}" if ranks[pid] is not None else f"pid {pid}", len(output)
         try:
             os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:
-            pass
-    output, deadline = "", time.monotonic() + wait_s
-    while ready and time.monotonic() < deadline:
-        try:
-            proc.communicate(timeout=0.5)
-            break  # the run ended by itself
-        except subprocess.TimeoutExpired as partial:
-            output = (partial.output or b"").decode(errors="replace")
-        if len(re.findall(r"^(?:Current thread|Thread) 0x", output, flags=re.M)) >= len(ready):
-            time.sleep(0.5)  # the rest of the last stack
-            break
-    return len(ready), len(workers)
+            continue
+        while time.monotonic() < deadline:
+            try:
+                proc.communicate(timeout=0.25)
+                return stacks, len(workers)  # the run ended by itself
+            except subprocess.TimeoutExpired as partial:
+                grown = (partial.output or b"").decode(errors="replace")
+            if grown == output and STACK_HEADER.search(output, start):
+                break  # its stack arrived and is complete
+            output = grown
+        stacks[rank] = output[start:]
+    return stacks, len(workers)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -135,11 +153,13 @@ def first_traceback(output: str, max_lines: int = 40) -> str:
     return "\n".join(lines[start : end + 1][-max_lines:])
 
 
-def hang_report(output: str, max_chars: int = 6000) -> str:
-    """The stacks the workers dumped on SIGUSR1 (faulthandler's "Thread 0x..." blocks, the waiting frame
-    first), or the end of the output when there are none."""
-    found = [i for i in (output.find("Thread 0x"), output.find("Current thread 0x")) if i >= 0]
-    return output[min(found) : min(found) + max_chars] if found else output[-3000:]
+def hang_report(stacks: dict[str, str], output: str, max_chars: int = 6000) -> str:
+    """Each rank's stack (faulthandler's dump on SIGUSR1, the waiting frame first), then the end of the run's
+    other output."""
+    for text in stacks.values():
+        output = output.replace(text, "") if text else output
+    shown = "\n".join(f"{rank}:\n{text.strip() or '(no stack arrived in time)'}" for rank, text in stacks.items())
+    return f"{shown[:max_chars]}\nthe run's last output:\n{output[-3000:]}" if stacks else output[-3000:]
 
 
 def launch(script: str | Path, args: Sequence[object] = (), nproc: int = 2, timeout: float = 300, threads: int = 1,
@@ -161,7 +181,8 @@ def launch(script: str | Path, args: Sequence[object] = (), nproc: int = 2, time
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        asked, workers = _dump_stacks(proc)
+        stacks, workers = _dump_stacks(proc)
+        asked = len(stacks)
         _stop(proc)
         try:
             output, _ = proc.communicate(timeout=10)  # what the run printed before it was stopped
@@ -176,7 +197,7 @@ def launch(script: str | Path, args: Sequence[object] = (), nproc: int = 2, time
             "distributed run hangs when one rank waits in a collective (all_reduce, send/recv, a pipeline schedule) "
             "that another rank never enters; check that every rank makes the same calls in the same order, or raise "
             f"the timeout for a bigger run. Where each rank was (its stack), then the last output:\n"
-            f"{hang_report(output)}"
+            f"{hang_report(stacks, output)}"
         ) from None
     except BaseException:  # e.g. KeyboardInterrupt in a notebook: do not leave workers behind
         _stop(proc)
