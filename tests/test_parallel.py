@@ -217,12 +217,14 @@ def test_launch_kills_a_hanging_run_and_shows_where_each_rank_waits(torchrun, tm
     timeout: then the run is tried again with three times the timeout. Every attempt must kill every worker.
     The workers used to dump their stacks at once into torchrun's one pipe, and under load the two interleaved
     character by character ("in 2799<module> in \nrecv"): 1 attempt in 5 on a loaded 2-core machine showed no
-    readable frame; they are now asked one at a time."""
+    readable frame; they are now asked one at a time. The run prints 400 lines first: the first rank's stack used to
+    begin with all of them."""
     script = tmp_path / "hangs.py"
     script.write_text("import os, pathlib, time\nimport torch, torch.distributed as dist\n"
                       "from helpers.parallel.runtime import setup\n"
                       "runtime = setup('cpu', timeout_s=600)\n"
                       f"pathlib.Path({str(tmp_path)!r}, 'pid' + os.environ['RANK']).write_text(str(os.getpid()))\n"
+                      "print(*(f'step {i}: warming up' for i in range(400)), sep='\\n', flush=True)\n"
                       "if runtime.rank == 0:\n    dist.recv(torch.zeros(1), 1)\n"
                       "else:\n    time.sleep(600)\n")
     messages = []
@@ -238,7 +240,9 @@ def test_launch_kills_a_hanging_run_and_shows_where_each_rank_waits(torchrun, tm
                 os.kill(pid, 0)
         messages.append(str(failure.value))
         shown = re.search(r"^rank 0:\n(.*?)^rank 1:\n(.*?)^the run's last output:", messages[-1], flags=re.M | re.S)
-        if shown and " in recv\n" in shown[1] and "hangs.py\", line 9 in <module>" in shown[2]:  # where each waits
+        if shown and " in recv\n" in shown[1] and "hangs.py\", line 10 in <module>" in shown[2]:  # where each waits
+            # what the run printed before it hung is its output, not part of a rank's stack
+            assert "warming up" not in shown[1] + shown[2] and "step 399: warming up" in messages[-1]
             return
     pytest.fail("no attempt showed both ranks' stacks; the last message:\n" + messages[-1][:3000])
 

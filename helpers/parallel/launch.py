@@ -70,7 +70,7 @@ def _catches(pid: int, signum: int) -> bool:
     return False
 
 
-STACK_HEADER = re.compile(r"^(?:Current thread|Thread) 0x", flags=re.M)  # faulthandler's first line per thread
+STACK_HEADER = re.compile(r"(?:Current thread|Thread) 0x")  # faulthandler's first line for each thread
 
 
 def _rank_of(pid: int) -> int | None:
@@ -84,34 +84,44 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
-def _dump_stacks(proc: subprocess.Popen, wait_s: float = 15.0) -> tuple[dict[str, str], int]:
+def _read_so_far(proc: subprocess.Popen) -> str | None:
+    """Everything the run has printed so far (newlines as text mode reads them), or None if it has ended; the pipe
+    keeps what was read for the next `communicate`."""
+    try:
+        proc.communicate(timeout=0.25)
+        return None
+    except subprocess.TimeoutExpired as partial:
+        return (partial.output or b"").decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _dump_stacks(proc: subprocess.Popen, wait_s: float = 15.0) -> tuple[dict[str, str], int, tuple[int, int]]:
     """Ask every worker that can (faulthandler on SIGUSR1, registered by `setup`) to print its stack, one worker at a
     time: they share torchrun's pipe, and two dumps written at once interleave character by character. Each is
-    waited for until it stops growing, `wait_s` in all (a loaded machine may take a while to schedule a worker); the
-    pipe keeps what was read for the next `communicate`. Returns each asked worker's stack by rank ("" where none
-    arrived in time) and the number of workers."""
+    waited for until it stops growing, `wait_s` in all (a loaded machine may take a while to schedule a worker); a
+    worker not asked in time is not asked at all. Returns each asked worker's stack by rank ("" where none arrived
+    in time), the number of workers, and where the stacks lie in the run's output (start, end)."""
     workers = _descendants(proc.pid) or []
-    if not hasattr(signal, "SIGUSR1"):
-        return {}, len(workers)
-    stacks, output, deadline = {}, "", time.monotonic() + wait_s
+    output = _read_so_far(proc)
+    if not hasattr(signal, "SIGUSR1") or output is None:
+        return {}, len(workers), (0, 0)
+    stacks, first, deadline = {}, len(output), time.monotonic() + wait_s
     ranks = {pid: _rank_of(pid) for pid in workers if _catches(pid, signal.SIGUSR1)}
     for pid in sorted(ranks, key=lambda pid: (ranks[pid] is None, ranks[pid] or 0, pid)):
-        rank, start = f"rank {ranks[pid]}" if ranks[pid] is not None else f"pid {pid}", len(output)
-        try:
-            os.kill(pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            continue
-        while time.monotonic() < deadline:
+        rank = f"rank {ranks[pid]}" if ranks[pid] is not None and f"rank {ranks[pid]}" not in stacks else f"pid {pid}"
+        start, quiet = len(output), 0
+        if time.monotonic() < deadline:
             try:
-                proc.communicate(timeout=0.25)
-                return stacks, len(workers)  # the run ended by itself
-            except subprocess.TimeoutExpired as partial:
-                grown = (partial.output or b"").decode(errors="replace")
-            if grown == output and STACK_HEADER.search(output, start):
-                break  # its stack arrived and is complete
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                continue
+        while time.monotonic() < deadline and quiet < 2:  # two polls without growth after its first line: complete
+            grown = _read_so_far(proc)
+            if grown is None:
+                return stacks, len(workers), (first, len(output))  # the run ended by itself
+            quiet = quiet + 1 if grown == output and STACK_HEADER.search(output, start) else 0
             output = grown
         stacks[rank] = output[start:]
-    return stacks, len(workers)
+    return stacks, len(workers), (first, len(output))
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -153,13 +163,14 @@ def first_traceback(output: str, max_lines: int = 40) -> str:
     return "\n".join(lines[start : end + 1][-max_lines:])
 
 
-def hang_report(stacks: dict[str, str], output: str, max_chars: int = 6000) -> str:
-    """Each rank's stack (faulthandler's dump on SIGUSR1, the waiting frame first), then the end of the run's
-    other output."""
-    for text in stacks.values():
-        output = output.replace(text, "") if text else output
-    shown = "\n".join(f"{rank}:\n{text.strip() or '(no stack arrived in time)'}" for rank, text in stacks.items())
-    return f"{shown[:max_chars]}\nthe run's last output:\n{output[-3000:]}" if stacks else output[-3000:]
+def hang_report(stacks: dict[str, str], other_output: str, max_chars: int = 3000) -> str:
+    """Each rank's stack (faulthandler's dump on SIGUSR1, the waiting frame first; at most `max_chars` each), then the
+    end of the run's other output."""
+    if not stacks:
+        return other_output[-max_chars:]
+    shown = "\n".join(f"{rank}:\n{text.strip()[:max_chars] or '(no stack arrived in time)'}"
+                      for rank, text in stacks.items())
+    return f"{shown}\nthe run's last output:\n{other_output[-max_chars:]}"
 
 
 def launch(script: str | Path, args: Sequence[object] = (), nproc: int = 2, timeout: float = 300, threads: int = 1,
@@ -181,7 +192,7 @@ def launch(script: str | Path, args: Sequence[object] = (), nproc: int = 2, time
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        stacks, workers = _dump_stacks(proc)
+        stacks, workers, (first, last) = _dump_stacks(proc)
         asked = len(stacks)
         _stop(proc)
         try:
@@ -197,7 +208,7 @@ def launch(script: str | Path, args: Sequence[object] = (), nproc: int = 2, time
             "distributed run hangs when one rank waits in a collective (all_reduce, send/recv, a pipeline schedule) "
             "that another rank never enters; check that every rank makes the same calls in the same order, or raise "
             f"the timeout for a bigger run. Where each rank was (its stack), then the last output:\n"
-            f"{hang_report(stacks, output)}"
+            f"{hang_report(stacks, output[:first] + output[last:])}"
         ) from None
     except BaseException:  # e.g. KeyboardInterrupt in a notebook: do not leave workers behind
         _stop(proc)
