@@ -21,14 +21,24 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# The suite starts from a known environment, whatever the caller's shell exports: the course's own switches
+# (COURSE_SMOKE from `COURSE_SMOKE=1 make course`, COURSE_CACHE_DIR), the hubs' offline and cache settings, and the
+# devices, threads and compiler settings torch and its libraries read. Cleared before torch, huggingface_hub or
+# transformers is imported (they read some at import) and put back when the run ends; a test that needs one sets it
+# itself (monkeypatch.setenv). tests/test_environment.py runs part of the suite with each set to an odd value.
+INHERITED = re.compile(r"COURSE_.*|HF_.*|HUGGINGFACE_.*|TRANSFORMERS_.*|TIKTOKEN_.*|TORCH_.*|TORCHINDUCTOR_.*|"
+                       r"PYTORCH_.*|TRITON_.*|CUDA_.*|OMP_NUM_THREADS|MKL_NUM_THREADS|TQDM_.*|MPLBACKEND")
+CLEARED = {name: os.environ.pop(name) for name in list(os.environ) if INHERITED.fullmatch(name)}
 
-from helpers.parallel.launch import launch
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from helpers.parallel.launch import launch  # noqa: E402
 
 # test module -> markers for every test in it
 MODULE_MARKERS = {
@@ -73,6 +83,7 @@ FUNCTION_MARKERS = {
     "test_a_widget_bar_is_read_as_its_final_text": ("versionless",),
     "test_run_notebooks_records_a_stuck_or_dead_notebook_and_runs_the_next": ("subprocess", "serial"),
     "test_bad_arguments_are_usage_errors": ("versionless",),
+    "test_no_command_names_the_commands": ("versionless",),
     "test_scale_defaults_are_written_once_and_shown_by_help": ("versionless",),
     "test_chapter_scripts_name_the_model_as_the_command_line_does": ("versionless",),
     "test_help_imports_no_benchmark_library": ("versions",),  # what torch and its plugins import at start-up
@@ -88,6 +99,10 @@ def pytest_configure(config):
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"
     interpret_triton_in_this_process()
+
+
+def pytest_unconfigure(config):
+    os.environ.update(CLEARED)
 
 
 def interpret_triton_in_this_process() -> None:

@@ -35,6 +35,14 @@ BAD_ARGUMENTS = [
 ]
 
 
+def test_no_command_names_the_commands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "a command is required, one of: env, calibrate" in err and "record, sync-bootstrap" in err
+
+
 @pytest.mark.parametrize("argv, message", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
 def test_bad_arguments_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

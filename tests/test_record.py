@@ -28,6 +28,7 @@ def tiny_notebook(path, source="print(6 * 7)"):
 
 
 def test_record_writes_outputs_and_metadata_in_place(tmp_path, monkeypatch, cached_calibration):
+    monkeypatch.delenv("COURSE_SMOKE", raising=False)  # recorded at the default scale, whatever the shell asks
     path = tiny_notebook(tmp_path / "a.ipynb", "import os\nprint(os.environ['OMP_NUM_THREADS'], 6 * 7)")
     monkeypatch.setattr(notebooks, "busy_cores", lambda seconds=3.0: 0.0)
     assert cli.main(["record", str(path), "--threads", "1"]) == 0

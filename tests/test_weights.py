@@ -214,6 +214,7 @@ def test_download_fails_fast_when_the_hub_is_unreachable(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", spy)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # read when huggingface_hub was imported
     # port 9 on this machine: refused at once, so the probe answers "unreachable" without waiting
     with pytest.raises(WeightsUnavailable, match="is not cached and http://127.0.0.1:9 is unreachable"):
         download_gpt2(cache_dir=tmp_path, endpoint="http://127.0.0.1:9", timeout=2)

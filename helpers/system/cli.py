@@ -61,10 +61,25 @@ def fill_scale_defaults(args: argparse.Namespace, command: Command) -> str:
 def build_parser(commands: list[Command], description: str) -> argparse.ArgumentParser:
     """One subcommand per Command; each parsed Namespace carries its command (`args.command`) and its parser
     (`args.command_parser`, for usage errors found after parsing)."""
-    parser = argparse.ArgumentParser(prog="python -m helpers", description=description)
-    subparsers = parser.add_subparsers(dest="name", required=True)
+    parser = CommandParser(prog="python -m helpers", description=description)
+    parser.command_names = [command.name for command in commands]
+    subparsers = parser.add_subparsers(dest="name", metavar="COMMAND", title="commands")
     for command in commands:
         sub = subparsers.add_parser(command.name, help=command.help)
         command.arguments(sub)
         sub.set_defaults(command=command, command_parser=sub)
     return parser
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A parser whose command is required, and which says which commands exist when none is given (argparse's own
+    message names only the argument's internal name)."""
+
+    command_names: list[str] = []
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        if parsed.name is None:
+            self.error(f"a command is required, one of: {', '.join(self.command_names)} "
+                       "(python -m helpers COMMAND --help for one)")
+        return parsed
