@@ -309,7 +309,9 @@ def write_notebook(path, *sources):
 @pytest.mark.parametrize("cell, message", [
     ("import time\ntime.sleep(30)", "code cell 2 ('import time') timed out after 2 s"),
     ("import os\nos._exit(1)", "kernel died (out of host memory?) in code cell 2 ('import os')"),
-], ids=["timeout", "dead-kernel"])
+    ("import os, signal, time\nos.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(30)",  # as the OOM killer does
+     "kernel died (out of host memory?) in code cell 2 ('import os, signal, time')"),
+], ids=["timeout", "dead-kernel", "killed-kernel"])
 def test_run_notebooks_records_a_stuck_or_dead_notebook_and_runs_the_next(tmp_path, capsys, cell, message):
     """`make course` must not stop at a cell past --timeout or a kernel the host's OOM killer ended: that notebook
     fails with a message naming the cell, its outputs so far are saved, and the next notebook runs."""
@@ -320,6 +322,23 @@ def test_run_notebooks_records_a_stuck_or_dead_notebook_and_runs_the_next(tmp_pa
     status = main(["run-notebooks", str(bad), str(good), "--out", str(tmp_path / "out"), "--timeout", "2"])
     out, err = capsys.readouterr()
     assert status == 1 and "1 passed, 1 failed" in out and message in err
+    saved = {p.name: nbformat.read(p, as_version=4) for p in (tmp_path / "out").glob("*.ipynb")}
+    assert saved["bad.ipynb"].cells[0].outputs[0].text == "before\n"
+    assert saved["good.ipynb"].cells[0].outputs[0].text == "ran\n"
+
+
+def test_run_notebooks_signalled_mid_notebook_records_it_and_runs_the_next(tmp_path, python_process):
+    """A SIGTERM (or Ctrl-C) to run-notebooks makes nbclient shut the kernel down, and nbclient's own clean-up then
+    failed with a bare AssertionError that ended the whole run; the notebook is now recorded as stopped, with its
+    outputs so far, and the next one runs. The cell signals its parent, the runner."""
+    bad = write_notebook(tmp_path / "bad.ipynb", "print('before')",
+                         "import os, signal, time\nos.kill(os.getppid(), signal.SIGTERM)\ntime.sleep(600)",
+                         "print('never')")
+    good = write_notebook(tmp_path / "good.ipynb", "print('ran')")
+    done = python_process("-m", "helpers", "run-notebooks", bad, good, "--out", tmp_path / "out", cwd=ROOT,
+                          timeout=600)
+    assert done.returncode == 1 and "1 passed, 1 failed" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "the kernel was shut down in code cell 2 ('import os, signal, time')" in done.stderr
     saved = {p.name: nbformat.read(p, as_version=4) for p in (tmp_path / "out").glob("*.ipynb")}
     assert saved["bad.ipynb"].cells[0].outputs[0].text == "before\n"
     assert saved["good.ipynb"].cells[0].outputs[0].text == "ran\n"
