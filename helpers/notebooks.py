@@ -498,8 +498,12 @@ def record_notebooks(paths: list[Path], threads: int, max_busy: float, force: bo
     from .system.scale import current_scale
 
     caps = detect_capabilities()
+    caller_threads = torch.get_num_threads()
     torch.set_num_threads(threads)  # the calibration is this machine's at the notebooks' thread count
-    calibration = load_calibration()  # the one every notebook divides by (measured now if the cache has none)
+    try:
+        calibration = load_calibration()  # the one every notebook divides by (measured now if the cache has none)
+    finally:  # the caller's own thread count is its own (a test worker's one thread, say)
+        torch.set_num_threads(caller_threads)
     meta = {"machine": caps.name, "device": caps.device_type, "bf16_native": caps.bf16_native,
             "torch": torch.__version__, "threads": threads, "scale": current_scale(caps.device_type),
             "calibration": f"{calibration.key} measured {calibration.measured}"}

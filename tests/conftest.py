@@ -149,6 +149,19 @@ def shares_a_module_fixture(item) -> bool:
     return any(d[-1].baseid == module_id and d[-1].scope != "function" for d in definitions.values())
 
 
+@pytest.fixture(autouse=True)
+def keeps_the_thread_count():
+    """A test that changes this process's torch thread count fails: the next tests on the worker would run with it,
+    and two workers' OpenMP threads on two cores made tiny ops 25 times slower (a test of `record` left 2 threads on a
+    worker, and a 2.5-second test took 60 s)."""
+    threads = torch.get_num_threads()
+    yield
+    changed = torch.get_num_threads()
+    if changed != threads:
+        torch.set_num_threads(threads)
+        pytest.fail(f"the test changed torch's thread count from {threads} to {changed} and did not put it back")
+
+
 @pytest.fixture(scope="session")
 def torchrun():
     """`helpers.parallel.launch.launch`: runs a script on several processes under torchrun."""

@@ -107,6 +107,9 @@ def test_placement_divides_by_the_roof_of_the_working_set():
 
 
 def test_calibration_is_measured_once_then_read_from_the_cache(cache, monkeypatch):
+    real = cal.calibrate  # measured for real, at small sizes: this test is about the cache, not the figures
+    monkeypatch.setattr(cal, "calibrate", lambda device, dtypes: real(device, dtypes, rounds=3, matmul_n=256,
+                                                                      dram_bytes=16 << 20))
     first = cal.load_calibration("cpu")
     files = list(cache.glob("calibration-*.json"))
     assert len(files) == 1 and first.key in files[0].name
