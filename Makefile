@@ -13,7 +13,8 @@ NOTEBOOKS := $(sort $(wildcard ch*/*.ipynb))
 SOLUTIONS := $(filter %/solutions.ipynb,$(NOTEBOOKS))
 LESSONS := $(filter-out %/solutions.ipynb,$(NOTEBOOKS))
 PARALLEL := -n $(WORKERS) --dist loadgroup
-# What CI needs to see: the 25 slowest tests, and a test stuck past 15 minutes stopped by name.
+# What CI needs to see: the 25 slowest tests, and a test stuck past 15 minutes stopped by name. Each part ends with
+# its wall time and its tests' time against its budget (tests/budget.py), in units of this machine's speed.
 REPORT := --durations=25 --timeout=900
 FAST := not (notebook or distributed or subprocess or compile or slow or serial)
 
@@ -52,11 +53,11 @@ lab: $(RUNTIME)  ## open the course in JupyterLab
 
 test: $(DEV)  ## ruff + every test: in parallel workers, then the timing- and memory-sensitive ones alone
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest $(PARALLEL) $(REPORT) -m "not serial"
-	$(BIN)/python -m pytest $(REPORT) -m serial
+	$(BIN)/python -m pytest $(PARALLEL) $(REPORT) --budget parallel -m "not serial"
+	$(BIN)/python -m pytest $(REPORT) --budget serial -m serial
 
 test-fast: $(DEV)  ## the in-process unit tests (no notebooks, torchrun, subprocesses or compiles): a few minutes
-	$(BIN)/python -m pytest $(PARALLEL) -m "$(FAST)"
+	$(BIN)/python -m pytest $(PARALLEL) --budget fast -m "$(FAST)"
 
 check: $(RUNTIME)  ## [OK]/[FAIL] per requirement and capability
 	$(BIN)/python setup/check_env.py

@@ -94,7 +94,18 @@ FIXTURE_MARKERS = {"torchrun": ("distributed",), "python_process": ("subprocess"
 IMPLIES = {"compile": ("versions",), "distributed": ("versions",)}
 
 
+def pytest_addoption(parser):
+    parser.addoption("--budget", metavar="PART", help="check the tests' time against PART's budget in tests/budget.py "
+                     "(parallel, serial, fast), in units of this machine's speed")
+
+
 def pytest_configure(config):
+    if config.getoption("budget") and not hasattr(config, "workerinput"):  # the controlling process only
+        from budget import SuiteBudget  # beside this file
+
+        workers = getattr(config.option, "numprocesses", None)  # pytest-xdist's -n: a number once it has resolved it
+        workers = workers if isinstance(workers, int) and workers > 0 else 1
+        config.pluginmanager.register(SuiteBudget(config.getoption("budget"), workers), "suite-budget")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # parallel workers: one thread each, for their children too
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"
