@@ -116,7 +116,7 @@ def test_sampled_tokens_are_distributed_as_the_targets(k):
 @pytest.mark.parametrize("change, message", [
     (dict(idx=torch.zeros(2, 3, dtype=torch.long)), "one sequence at a time"),
     (dict(k=0), "k \\(draft tokens per round\\) must be a positive integer"),
-    (dict(max_new_tokens=94), "need 97 positions, but the target's context length is 96"),
+    (dict(max_new_tokens=95), "the target: a prompt of 3 tokens plus 95 new tokens needs 97 cached positions"),
 ])
 def test_bad_arguments_are_refused(models, change, message):
     target, draft = models

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..model.config import GPTConfig
-from ..model.decoding import GREEDY, Sampling, cached_positions, check_decoding, check_prompt
+from ..model.decoding import GREEDY, Sampling, check_context, check_decoding, check_prompt
 from ..model.gpt import GPT
 from .cached_attention import KVStorage, attend_cached
 from .kv_quant import check_kv_cache_dtype
@@ -130,19 +130,7 @@ def check_cache_room(model: GPT, idx: torch.Tensor, max_new_tokens: int, samplin
     arguments and that they fit the model's context (a cache cannot slide)."""
     check_prompt(idx, model.config.vocab_size)
     check_decoding(max_new_tokens, sampling, model.config.vocab_size)
-    ctx, cached = model.config.context_length, cached_positions(idx.size(1), max_new_tokens)
-    if idx.size(1) > ctx:
-        raise ValueError(f"the prompt has {idx.size(1)} tokens but the context length is {ctx}; shorten it (e.g. "
-                         f"keep its last {ctx - max_new_tokens + 1} tokens to generate {max_new_tokens})")
-    if cached > ctx:
-        raise ValueError(
-            f"a prompt of {idx.size(1)} tokens plus {max_new_tokens} new tokens needs {cached} cached positions "
-            f"(the last new token is never fed back) but the context length is {ctx}. A KV cache cannot slide like "
-            "GPT.generate's window: the positions of every kept token would change, so all their keys and values "
-            f"would have to be recomputed. Set max_new_tokens to {ctx - idx.size(1) + 1} or less, shorten the "
-            "prompt, or use GPT.generate (no cache, sliding window)"
-        )
-    return cached
+    return check_context(idx.size(1), max_new_tokens, model.config.context_length)
 
 
 def decode_loop(logits: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.decoding import GREEDY, Sampling, cached_positions, check_decoding
+from ..model.decoding import GREEDY, ContextExceeded, Sampling, check_context, check_decoding
 from ..model.gpt import GPT
 from .kv_quant import check_kv_cache_dtype
 from .paged_kv import BatchRow, PagedBatch, PagedKVCache
@@ -202,20 +202,22 @@ class Engine:
             check_decoding(request.max_tokens, request.sampling, cfg.vocab_size)
         except ValueError as err:
             raise ValueError(f"request {rid!r}: {err}".replace("max_new_tokens", "max_tokens")) from None
-        if len(prompt) > cfg.context_length:
-            raise ValueError(f"request {rid!r}: the prompt has {len(prompt)} tokens but the context length is "
-                             f"{cfg.context_length}; shorten it (e.g. keep its last {cfg.context_length} tokens)")
-        cached = cached_positions(len(prompt), request.max_tokens)
-        if cached > cfg.context_length:
+        try:
+            cached = check_context(len(prompt), request.max_tokens, cfg.context_length)
+        except ContextExceeded as err:  # the same rule as every decoder's, in a server's words
+            if err.prompt_too_long:
+                raise ValueError(f"request {rid!r}: the prompt has {len(prompt)} tokens but the context length is "
+                                 f"{cfg.context_length}; shorten it (e.g. keep its last {cfg.context_length} "
+                                 "tokens)") from None
             raise ValueError(f"request {rid!r}: a {len(prompt)}-token prompt plus {request.max_tokens} new tokens "
-                             f"needs {cached} positions but the context length is {cfg.context_length}; "
-                             f"set max_tokens to {cfg.context_length - len(prompt) + 1} or less")
+                             f"needs {err.positions} positions but the context length is {cfg.context_length}; "
+                             f"set max_tokens to {cfg.context_length - len(prompt) + 1} or less") from None
         if self.cache.blocks_for(cached) > self.cache.num_blocks:
             raise ValueError(f"request {rid!r} needs {self.cache.blocks_for(cached)} blocks of "
                              f"{self.cache.block_size} tokens but the cache has only {self.cache.num_blocks}; "
                              "give the engine more num_blocks or lower max_tokens")
         generator = None
-        if request.sampling.temperature > 0:
+        if not request.sampling.is_greedy:
             seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()))
             generator = torch.Generator(self.cache.device).manual_seed(seed)
         seq = SequenceState(request, time.perf_counter(), tokens=prompt, generator=generator)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..model.decoding import GREEDY, Sampling, check_decoding, check_prompt
+from ..model.decoding import GREEDY, Sampling, check_context, check_decoding, check_prompt
 from ..model.gpt import GPT
 from .kv_cache import KVCache
 
@@ -107,27 +107,28 @@ def speculative_generate(
     if idx.size(0) != 1:
         raise ValueError(f"speculative decoding here serves one sequence at a time, got a batch of {idx.size(0)}; "
                          "decode the prompts one by one (or batch them without a draft, helpers.inference.serving)")
-    # Drafts stop at the requested length, so no pass reaches past the last new token: the target's cache ends at
-    # most at prompt + max_new_tokens, the draft's one position earlier.
-    needed = idx.size(1) + max_new_tokens
+    # The rule of every decoder: the last new token is never fed back. Drafts stop at the requested length, so a
+    # pass reaches at most one position past it (prompt + max_new_tokens, scoring a bonus token that is not needed):
+    # that position is used where the context has it, and the last round drafts one token fewer where it has not.
     for name, model in (("target", target), ("draft", draft)):
-        if needed > model.config.context_length:
-            raise ValueError(f"a prompt of {idx.size(1)} tokens and {max_new_tokens} new tokens need {needed} "
-                             f"positions, but the {name}'s context length is {model.config.context_length}; "
-                             "shorten the prompt or generate fewer tokens")
+        try:
+            check_context(idx.size(1), max_new_tokens, model.config.context_length)
+        except ValueError as err:
+            raise ValueError(f"the {name}: {err}") from None
+    room = min(idx.size(1) + max_new_tokens, target.config.context_length, draft.config.context_length)
     modes = (target.training, draft.training)
     target.eval()
     draft.eval()
     try:
-        return _generate(target, draft, idx, max_new_tokens, k, sampling, generator, needed)
+        return _generate(target, draft, idx, max_new_tokens, k, sampling, generator, room)
     finally:
         target.train(modes[0])
         draft.train(modes[1])
 
 
 def _generate(target: GPT, draft: GPT, idx: torch.Tensor, max_new_tokens: int, k: int, sampling: Sampling,
-              generator: torch.Generator | None, needed: int) -> tuple[torch.Tensor, SpeculativeStats]:
-    caches = {name: KVCache(model.config, 1, needed, model.ln_f.weight.dtype, idx.device)
+              generator: torch.Generator | None, room: int) -> tuple[torch.Tensor, SpeculativeStats]:
+    caches = {name: KVCache(model.config, 1, room, model.ln_f.weight.dtype, idx.device)
               for name, model in (("target", target), ("draft", draft))}
     # Each cache holds every kept token but the newest ones, which are fed at the start of the next round: the
     # target always lacks one (the last kept token), the draft one or two (after a round that kept all k drafts).
@@ -139,15 +140,16 @@ def _generate(target: GPT, draft: GPT, idx: torch.Tensor, max_new_tokens: int, k
     target_pending, draft_pending = idx[:, -1:], idx[:, -1:]
     rounds = proposed = accepted = 0
     while tokens.size(1) - idx.size(1) < max_new_tokens:
-        n = min(k, max_new_tokens - (tokens.size(1) - idx.size(1)))  # no drafts past the end
-        # draft n tokens, one forward pass each
-        drafts, q_rows = [], []
+        # no drafts past the end, nor past the caches' room: the target feeds the pending token and the n drafts
+        n = min(k, max_new_tokens - (tokens.size(1) - idx.size(1)), room - caches["target"].length - 1)
+        # draft n tokens, one forward pass each (none at all when only the target's next token fits)
+        drafts, q_rows = [idx.new_empty(1, 0)], []
         feed = draft_pending
         for _ in range(n):
             logits = draft(feed, cache=caches["draft"])[0, -1:]
             context = torch.cat([tokens, *drafts], dim=1)
             q = _probabilities(sampling, logits, context)
-            token = q.argmax(-1, keepdim=True) if sampling.temperature == 0 else \
+            token = q.argmax(-1, keepdim=True) if sampling.is_greedy else \
                 torch.multinomial(q, 1, generator=generator)
             drafts.append(token)
             q_rows.append(q)
@@ -160,7 +162,7 @@ def _generate(target: GPT, draft: GPT, idx: torch.Tensor, max_new_tokens: int, k
         kept, correction = n, None
         for j in range(n):
             d = int(proposal[0, j])
-            if sampling.temperature == 0:
+            if sampling.is_greedy:
                 ok, token = int(p[j].argmax()) == d, int(p[j].argmax())
             else:
                 ok, token = accept_or_resample(p[j], q_rows[j][0], d, generator)
@@ -168,7 +170,7 @@ def _generate(target: GPT, draft: GPT, idx: torch.Tensor, max_new_tokens: int, k
                 kept, correction = j, token
                 break
         if correction is None:  # every draft kept: the target's distribution after the last one gives a bonus token
-            correction = int(p[n].argmax()) if sampling.temperature == 0 else \
+            correction = int(p[n].argmax()) if sampling.is_greedy else \
                 int(torch.multinomial(p[n], 1, generator=generator))
         rounds, proposed, accepted = rounds + 1, proposed + n, accepted + kept
         new = torch.cat([proposal[:, :kept], torch.tensor([[correction]], device=idx.device)], dim=1)

@@ -51,7 +51,7 @@ def reference_tokens(model: GPT, request: Request) -> list[int]:
     device = next(model.parameters()).device
     sampling = request.sampling
     generator = None
-    if sampling.temperature > 0:
+    if not sampling.is_greedy:
         if request.seed is None:
             raise ValueError(f"request {request.request_id!r} samples without a seed: give it one to reproduce it")
         generator = torch.Generator(device).manual_seed(request.seed)

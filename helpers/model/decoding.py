@@ -45,6 +45,41 @@ def cached_positions(prompt_len: int, max_new_tokens: int) -> int:
     return prompt_len + max_new_tokens - 1
 
 
+class ContextExceeded(ValueError):
+    """A request that does not fit the model's context; carries its numbers, so a caller can say it in its own words
+    (the serving engine names `max_tokens`)."""
+
+    def __init__(self, message: str, prompt_len: int, max_new_tokens: int, positions: int, context_length: int):
+        super().__init__(message)
+        self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
+        self.positions, self.context_length = positions, context_length
+
+    @property
+    def prompt_too_long(self) -> bool:
+        return self.prompt_len > self.context_length
+
+
+def check_context(prompt_len: int, max_new_tokens: int, context_length: int) -> int:
+    """The positions a decoder feeds the model (`cached_positions`) for this request, after checking they fit its
+    context: a prompt plus new tokens may reach context + 1 tokens, never more. The one context rule of every decoder
+    that does not slide (the KV-cache generators, the serving engine, speculative decoding, beam search), so each
+    accepts or refuses the same request the same way; raises ContextExceeded."""
+    cached = cached_positions(prompt_len, max_new_tokens)
+    numbers = (prompt_len, max_new_tokens, cached, context_length)
+    if prompt_len > context_length:
+        raise ContextExceeded(f"the prompt has {prompt_len} tokens but the context length is {context_length}; "
+                              f"shorten it (e.g. keep its last {context_length - max_new_tokens + 1} tokens to "
+                              f"generate {max_new_tokens})", *numbers)
+    if cached > context_length:
+        raise ContextExceeded(
+            f"a prompt of {prompt_len} tokens plus {max_new_tokens} new tokens needs {cached} cached positions "
+            f"(the last new token is never fed back) but the context length is {context_length}. A KV cache cannot "
+            "slide like GPT.generate's window: the positions of every kept token would change, so all their keys and "
+            f"values would have to be recomputed. Set max_new_tokens to {context_length - prompt_len + 1} or less, "
+            "shorten the prompt, or use GPT.generate (no cache, sliding window)", *numbers)
+    return cached
+
+
 def check_prompt(idx: object, vocab_size: int) -> None:
     """A batch of equal-length prompts: an integer tensor (batch, seq) with seq >= 1 and ids in the vocabulary."""
     if not isinstance(idx, torch.Tensor):
@@ -94,6 +129,11 @@ class Sampling:
                 raise ValueError(f"{name} must be a finite number (0 = off), got {getattr(self, name)}")
 
     @property
+    def is_greedy(self) -> bool:
+        """Temperature 0: the argmax of the (penalised) logits, no random draw."""
+        return self.temperature == 0.0
+
+    @property
     def penalises(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
@@ -110,7 +150,7 @@ class Sampling:
                 penalised = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
                 logits = torch.where(seen, penalised, logits)
             logits = logits - self.frequency_penalty * counts - self.presence_penalty * seen
-        if self.temperature == 0.0:
+        if self.is_greedy:
             return logits
         logits = logits / self.temperature
         if self.top_k is not None:
@@ -128,7 +168,7 @@ class Sampling:
                    generator: torch.Generator | None = None) -> torch.Tensor:
         """Next token ids (batch, 1) from last-position logits (batch, vocab)."""
         logits = self.logits(logits, context)
-        if self.temperature == 0.0:
+        if self.is_greedy:
             return logits.argmax(dim=-1, keepdim=True)
         return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
@@ -150,9 +190,7 @@ def beam_search(model: torch.nn.Module, idx: torch.Tensor, max_new_tokens: int, 
         raise ValueError(f"beam search here continues one prompt at a time, got a batch of {idx.size(0)}")
     if isinstance(beams, bool) or not isinstance(beams, int) or beams < 1:
         raise ValueError(f"beams must be a positive integer, got {beams!r}")
-    if idx.size(1) + max_new_tokens > model.config.context_length:
-        raise ValueError(f"a prompt of {idx.size(1)} tokens and {max_new_tokens} new tokens exceed the context length "
-                         f"{model.config.context_length}; shorten the prompt or generate fewer tokens")
+    check_context(idx.size(1), max_new_tokens, model.config.context_length)  # the longest sequence it feeds
     was_training = model.training
     model.eval()
     try:
