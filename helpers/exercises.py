@@ -8,6 +8,7 @@ still runs from top to bottom. Each check returns True when the attempt is right
 
 from __future__ import annotations
 
+import codecs
 import math
 from collections.abc import Callable, Iterable, Iterator
 
@@ -39,6 +40,27 @@ def report(exercise: str, attempt: Callable[[], str | None]) -> bool:
     return wrong is None
 
 
+def streamed(stream_decode: Callable[[Iterable[int], list[bytes]], Iterator[str]], ids: list[int],
+             token_bytes: list[bytes]) -> tuple[list[str], str | None]:
+    """The pieces `stream_decode` yields for `ids`, fed one at a time, and where it first held text back: before it
+    reads token k, every character tokens 0..k-1 complete must have been yielded (None where it never held one back).
+    """
+    pieces: list[str] = []
+    late: list[str] = []
+
+    def feed() -> Iterator[int]:
+        complete, shown = codecs.getincrementaldecoder("utf-8")(), ""
+        for k, i in enumerate(ids):
+            if not late and len("".join(pieces)) < len(shown):
+                late.append(f"before reading token {k} it had yielded {''.join(pieces)!r}, not {shown!r}")
+            yield i
+            shown += complete.decode(token_bytes[i])
+
+    for piece in stream_decode(feed(), token_bytes):
+        pieces.append(piece)
+    return pieces, late[0] if late else None
+
+
 def check_stream_decode(stream_decode: Callable[[Iterable[int], list[bytes]], Iterator[str]]) -> bool:
     """Chapter 2.1, exercise 5: `stream_decode(ids, token_bytes)` yields the text of `ids` in pieces, each as soon
     as its characters are complete, so no piece shows U+FFFD for a character cut between tokens."""
@@ -49,7 +71,10 @@ def check_stream_decode(stream_decode: Callable[[Iterable[int], list[bytes]], It
     def attempt() -> str | None:
         for text in texts:
             ids = tokenizer.encode(text)
-            pieces = list(stream_decode(iter(ids), tokenizer.token_bytes))
+            pieces, late = streamed(stream_decode, ids, tokenizer.token_bytes)
+            if late is not None:
+                return (f"{text!r}: {late}; yield each piece as soon as its characters are complete, before "
+                        "reading the next token")
             if any("\ufffd" in piece for piece in pieces):
                 return (f"a piece of {text!r} holds U+FFFD ({pieces!r}): keep the bytes of an unfinished character "
                         "until the next token completes it")
@@ -345,10 +370,23 @@ def check_chunked_prefill(prefill_in_chunks: Callable[[GPT, torch.Tensor, int], 
         whole = model(ids)
         one_pass = KVCache(config, 2, ids.size(1), torch.float64)
         model(ids, cache=one_pass)
+    fed: list[int] = []
+
+    def passes(module, args, kwargs):  # the length of every pass the answer makes through the model
+        fed.append((args[0] if args else kwargs["idx"]).size(1))
 
     def attempt() -> str | None:
         for chunk in (1, 7, 16, ids.size(1)):
-            logits, cache = prefill_in_chunks(model, ids, chunk)
+            fed.clear()
+            hook = model.register_forward_pre_hook(passes, with_kwargs=True)
+            try:
+                logits, cache = prefill_in_chunks(model, ids, chunk)
+            finally:
+                hook.remove()
+            expected = [min(chunk, ids.size(1) - start) for start in range(0, ids.size(1), chunk)]
+            if fed != expected:
+                return (f"with chunks of {chunk} the model saw passes of {fed} tokens, not {expected}: feed the "
+                        "prompts `chunk` tokens at a time")
             if tuple(logits.shape) != tuple(whole.shape):
                 return f"with chunks of {chunk} the logits are {tuple(logits.shape)}, not {tuple(whole.shape)}"
             if cache.length != ids.size(1):

@@ -204,6 +204,26 @@ def test_a_check_accepts_the_reference_answer_and_says_what_is_wrong_with_anothe
     assert capsys.readouterr().out.startswith("To do (exercise ")
 
 
+def stream_decode_at_the_end(ids, token_bytes):  # right text, no U+FFFD, but nothing until every id was read
+    yield b"".join(token_bytes[i] for i in list(ids)).decode("utf-8")
+
+
+def prefill_in_one_pass(model, ids, chunk):  # right logits and cache, but `chunk` ignored
+    return prefill_in_chunks(model, ids, ids.size(1))
+
+
+@pytest.mark.parametrize("check, wrong, phrase", [
+    (exercises.check_stream_decode, stream_decode_at_the_end, "before reading token 1 it had yielded '', not 'pl'"),
+    (exercises.check_chunked_prefill, prefill_in_one_pass, "with chunks of 1 the model saw passes of [40] tokens"),
+], ids=["stream decoded at the end", "prefill in one pass"])
+def test_an_answer_right_only_in_its_result_is_refused(check, wrong, phrase, capsys):
+    """A stream that yields once at the end, or a prefill that ignores its chunk, returns what the right answer
+    returns: the checks watch how it is computed too."""
+    assert not check(wrong)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet (exercise ") and phrase in out
+
+
 def test_an_answer_that_raises_gets_the_error_as_its_verdict(capsys):
     assert not exercises.check_softmax_jacobian(lambda s: s @ "not a tensor")
     assert capsys.readouterr().out.startswith("Not yet (exercise 3.1.1, the softmax's Jacobian): your code raised")
