@@ -16,14 +16,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import nbformat
+from typing import TYPE_CHECKING
 
 from .measure.claims import claims_in_text
 from .system.args import positive_float, positive_int
 from .system.cli import Command
 from .system.files import atomic_path
 from .system.repository import REPOSITORY_URL, REVISION, ROOT
+
+if TYPE_CHECKING:  # imported where used: `python -m helpers COMMAND --help` stays fast (nbformat with jsonschema: ~1 s)
+    import nbformat
 
 BOOTSTRAP_SOURCE = """\
 # @title Setup (run first): the course's helpers, cloned and installed on a fresh runtime { display-mode: "form" }
@@ -103,6 +105,8 @@ PATH_MARKS = ("**Core path", "**Deep dive")  # how the title cell's line on the 
 def notebook_label(name: str, root: Path = ROOT) -> str:
     """'3.1 Self-attention from scratch' for the notebook whose title is '# Chapter 3.1 — Self-attention from
     scratch'."""
+    import nbformat
+
     heading = nbformat.read(root / name, as_version=4).cells[0].source.split("\n")[0]
     return heading.removeprefix("# Chapter ").replace(" — ", " ", 1)
 
@@ -142,6 +146,8 @@ def colab_link(path: Path, url: str = REPOSITORY_URL, revision: str = REVISION, 
 def sync_bootstrap(path: Path, url: str = REPOSITORY_URL, root: Path = ROOT) -> bool:
     """Make the notebook's first code cell the bootstrap cell, and put its Colab link and its place on the course's
     path (`path_line`) under the title; True when the file changed."""
+    import nbformat
+
     nb = nbformat.read(path, as_version=4)
     before = nbformat.writes(nb)
     source = bootstrap_source(url)
@@ -193,6 +199,8 @@ def clean_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     nothing on GitHub) read as their final text; then finished progress bars dropped from stderr (they say only
     that a loop ended; one that stopped early stays) and empty streams dropped; no widget state left in the
     metadata."""
+    import nbformat
+
     widgets = nb.metadata.pop("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
     for cell in nb.cells:
         if "outputs" not in cell:
@@ -277,6 +285,7 @@ def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
     end this notebook's run with its `error`, never the caller's loop over notebooks; the outputs up to there
     are saved all the same, so the report shows where it stopped.
     """
+    import nbformat
     from nbclient import NotebookClient  # here, not at import: `python -m helpers --help` stays fast
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     from traitlets.config import Config
@@ -334,6 +343,8 @@ def execute_notebook(path: Path, output: Path | None = None, smoke: bool = True,
 
 def recorded_seconds(path: Path) -> float | None:
     """The wall time of a notebook's last recording (`python -m helpers record`), if it has one."""
+    import nbformat
+
     meta = nbformat.read(path, as_version=4).metadata.get("course", {})
     return meta.get("wall_seconds")
 
@@ -377,6 +388,8 @@ def recorded_times_table(paths: list[Path], root: Path = ROOT) -> str:
     """The table of each notebook's last recording: wall time, machine, threads, torch, calibration, date; then the
     minutes of the core path (what `make core` runs), of the lessons (`make course`), of the solutions
     (`make solutions`) and of both."""
+    import nbformat
+
     rows = ["| notebook | minutes | machine | threads | torch | calibration | recorded |",
             "|---|---:|---|---:|---|---|---|"]
     seconds = {"lessons": 0.0, "solutions": 0.0}
@@ -402,6 +415,8 @@ def recorded_times_table(paths: list[Path], root: Path = ROOT) -> str:
 
 def notebook_claims(path: Path) -> list[tuple[bool, str]]:
     """(held, line) of every claim (`helpers.measure.claims.claim`) in a notebook's saved outputs."""
+    import nbformat
+
     nb = nbformat.read(path, as_version=4)
     text = "\n".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", [])
                      if out.get("output_type") == "stream")
@@ -420,6 +435,8 @@ def claims_table(paths: list[Path], root: Path = ROOT) -> str:
 def readme_sample(path: Path, root: Path = ROOT) -> str:
     """The README's sample of the model's text: the last line that the notebook's cell tagged `readme-sample`
     printed in its committed run, after the prompt, and where it comes from."""
+    import nbformat
+
     nb = nbformat.read(path, as_version=4)
     cell = next((c for c in nb.cells if SAMPLE_TAG in c.metadata.get("tags", [])), None)
     if cell is None:
