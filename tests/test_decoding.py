@@ -202,44 +202,46 @@ CONTEXT = 12
 
 
 def decoders():
-    """Each decoder that keeps every position (a cache, or no window): the tokens it returns for a greedy request."""
+    """Each decoder that keeps every position (a cache, or no window): the tokens it returns for a greedy request,
+    as decode(target, draft, idx, new) (only speculative decoding uses the draft)."""
     from helpers.inference.kv_cache import generate_with_cache
     from helpers.inference.serving import Request, serve
     from helpers.inference.speculative import speculative_generate
 
-    def engine(model, idx, new):
+    def engine(model, draft, idx, new):
         run = serve(model, [Request("r", tuple(idx[0].tolist()), new)], max_batch=1, block_size=4, num_blocks=4)
         return torch.cat([idx, torch.tensor([run.completions[0].tokens])], dim=1)
 
     return {
-        "generate_with_cache": generate_with_cache,
+        "generate_with_cache": lambda model, draft, idx, new: generate_with_cache(model, idx, new),
         "engine": engine,
-        "speculative": lambda model, idx, new: speculative_generate(model, model.draft, idx, new, k=3)[0],
-        "beam_search": lambda model, idx, new: beam_search(model, idx, new, beams=1),
+        "speculative": lambda model, draft, idx, new: speculative_generate(model, draft, idx, new, k=3)[0],
+        "beam_search": lambda model, draft, idx, new: beam_search(model, idx, new, beams=1),
     }
 
 
 @pytest.fixture(scope="module")
-def context_model():
+def target_and_draft():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=17, context_length=CONTEXT, d_model=16, n_heads=2, n_layers=1, dropout=0.0))
+    target = GPT(GPTConfig(vocab_size=17, context_length=CONTEXT, d_model=16, n_heads=2, n_layers=1, dropout=0.0))
     torch.manual_seed(1)
-    model.draft = GPT(GPTConfig(vocab_size=17, context_length=CONTEXT, d_model=8, n_heads=1, n_layers=1, dropout=0.0))
-    return model.eval()
+    draft = GPT(GPTConfig(vocab_size=17, context_length=CONTEXT, d_model=8, n_heads=1, n_layers=1, dropout=0.0))
+    return target.eval(), draft.eval()
 
 
 @pytest.mark.parametrize("decoder", ["generate_with_cache", "engine", "speculative", "beam_search"])
 @pytest.mark.parametrize("total", [CONTEXT - 1, CONTEXT, CONTEXT + 1, CONTEXT + 2])
-def test_every_decoder_accepts_and_refuses_the_same_requests(context_model, decoder, total):
+def test_every_decoder_accepts_and_refuses_the_same_requests(target_and_draft, decoder, total):
     """A prompt plus new tokens may reach context + 1 (the last new token is never fed back), never more: accepted
     or refused alike by the cached generator, the engine, speculative decoding and beam search, and where accepted,
     the same greedy tokens as GPT.generate (which slides, and so needs no rule)."""
+    target, draft = target_and_draft
     idx = torch.randint(0, 17, (1, 5), generator=torch.Generator().manual_seed(2))
     new = total - idx.size(1)
-    run = decoders()[decoder]
+    decode = decoders()[decoder]
     if total > CONTEXT + 1:
         with pytest.raises(ValueError, match=f"needs {total - 1} (cached )?positions .* context length is {CONTEXT}"):
-            run(context_model, idx, new)
+            decode(target, draft, idx, new)
         return
     with torch.no_grad():
-        assert torch.equal(run(context_model, idx, new), context_model.generate(idx, new))
+        assert torch.equal(decode(target, draft, idx, new), target.generate(idx, new))

@@ -49,10 +49,9 @@ class ContextExceeded(ValueError):
     """A request that does not fit the model's context; carries its numbers, so a caller can say it in its own words
     (the serving engine names `max_tokens`)."""
 
-    def __init__(self, message: str, prompt_len: int, max_new_tokens: int, positions: int, context_length: int):
+    def __init__(self, message: str, prompt_len: int, positions: int, context_length: int):
         super().__init__(message)
-        self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
-        self.positions, self.context_length = positions, context_length
+        self.prompt_len, self.positions, self.context_length = prompt_len, positions, context_length
 
     @property
     def prompt_too_long(self) -> bool:
@@ -65,7 +64,7 @@ def check_context(prompt_len: int, max_new_tokens: int, context_length: int) -> 
     that does not slide (the KV-cache generators, the serving engine, speculative decoding, beam search), so each
     accepts or refuses the same request the same way; raises ContextExceeded."""
     cached = cached_positions(prompt_len, max_new_tokens)
-    numbers = (prompt_len, max_new_tokens, cached, context_length)
+    numbers = (prompt_len, cached, context_length)
     if prompt_len > context_length:
         raise ContextExceeded(f"the prompt has {prompt_len} tokens but the context length is {context_length}; "
                               f"shorten it (e.g. keep its last {context_length - max_new_tokens + 1} tokens to "

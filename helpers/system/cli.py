@@ -61,9 +61,9 @@ def fill_scale_defaults(args: argparse.Namespace, command: Command) -> str:
 def build_parser(commands: list[Command], description: str) -> argparse.ArgumentParser:
     """One subcommand per Command; each parsed Namespace carries its command (`args.command`) and its parser
     (`args.command_parser`, for usage errors found after parsing)."""
-    parser = CommandParser(prog="python -m helpers", description=description)
-    parser.command_names = [command.name for command in commands]
-    subparsers = parser.add_subparsers(dest="name", metavar="COMMAND", title="commands")
+    parser = CommandParser([command.name for command in commands], prog="python -m helpers", description=description)
+    subparsers = parser.add_subparsers(dest="name", metavar="COMMAND", title="commands",
+                                       parser_class=argparse.ArgumentParser)
     for command in commands:
         sub = subparsers.add_parser(command.name, help=command.help)
         command.arguments(sub)
@@ -75,7 +75,9 @@ class CommandParser(argparse.ArgumentParser):
     """A parser whose command is required, and which says which commands exist when none is given (argparse's own
     message names only the argument's internal name)."""
 
-    command_names: list[str] = []
+    def __init__(self, command_names: list[str], **kwargs):
+        super().__init__(**kwargs)
+        self.command_names = command_names
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
