@@ -57,6 +57,7 @@ MODULE_MARKERS = {
     "test_train_bench": ("versions",),  # torch.compile, transformers' GPT-2 as the peer
     "test_virtual_device": ("versions",),  # dispatch and function modes, wrapper subclasses, swapped parameters
     "test_weights": ("versions",),  # transformers' GPT2LMHeadModel
+    "test_server": ("versions",),  # FastAPI, Starlette, uvicorn, the openai client, transformers' tokenizer
     # results that no library's version can change
     "test_layout": ("versionless",),
     "test_project": ("versionless",),
@@ -90,7 +91,8 @@ FUNCTION_MARKERS = {
     "test_commands_print_no_warnings_of_the_libraries_they_use": ("versions",),  # their deprecations
 }
 # fixture -> markers for every test that uses it, directly or through another fixture
-FIXTURE_MARKERS = {"torchrun": ("distributed",), "python_process": ("subprocess",)}
+FIXTURE_MARKERS = {"torchrun": ("distributed",), "python_process": ("subprocess",),
+                   "server": ("subprocess",)}  # test_server's: `python -m helpers serve` in a child process
 IMPLIES = {"compile": ("versions",), "distributed": ("versions",)}
 
 

@@ -74,7 +74,7 @@ def test_commands_print_no_warnings_of_the_libraries_they_use(python_process, ar
 COMMANDS = [command.name for command in TABLE]
 # what only some commands run: nbformat (with jsonschema, a second of imports) only the notebook commands
 BENCHMARK_LIBRARIES = ("fvcore", "transformers", "triton", "torchao", "matplotlib", "nbclient", "nbformat",
-                       "jsonschema")
+                       "jsonschema", "fastapi", "uvicorn", "prometheus_client", "httpx")
 
 
 def test_help_imports_no_benchmark_library(python_process):

@@ -390,3 +390,40 @@ def test_bench_serve_json_has_consistent_keys(python_process):
     for name in ("continuous", "continuous_contiguous", "static"):
         p = [report[f"latency_{q}_s_{name}"] for q in ("p50", "p90", "p99")]
         assert 0 < p[0] <= p[1] <= p[2]
+
+
+@pytest.mark.parametrize("scheduling", ["continuous", "static"])
+def test_aborted_requests_free_their_blocks_and_the_others_keep_their_tokens(model64, requests_and_reference,
+                                                                           scheduling):
+    """A client that goes away: its request leaves the queue or the batch at once, every block it held is free again,
+    and the requests that stay get exactly the tokens they get alone."""
+    requests, reference = requests_and_reference
+    engine = Engine(model64, max_batch=3, block_size=4, scheduling=scheduling)
+    for request in requests:
+        engine.submit(request)
+    engine.step()  # the first batch is running, the rest wait
+    running = [s.request.request_id for s in engine.scheduler.running]
+    waiting = [s.request.request_id for s in engine.scheduler.waiting]
+    dropped = {running[0], waiting[-1]}
+    assert all(engine.abort(rid) for rid in dropped)
+    assert not engine.abort(running[0]) and not engine.abort("no such request")
+    assert engine.live_requests == len(requests) - 2
+    completions = step_until_done(engine)
+    assert {c.request_id for c in completions} == {r.request_id for r in requests} - dropped
+    for c in completions:
+        assert c.tokens == reference[c.request_id], c.request_id
+    assert engine.cache.allocator.num_used == 0 and engine.live_requests == 0
+
+
+def test_generated_shows_a_requests_tokens_as_they_come(model64, requests_and_reference):
+    requests, reference = requests_and_reference
+    engine = Engine(model64, max_batch=2)
+    engine.submit(requests[0])
+    seen = []
+    while engine.has_work:
+        done = engine.step()
+        if not done:
+            seen.append(engine.generated(requests[0].request_id))
+    assert seen == [reference[requests[0].request_id][:n] for n in range(1, len(seen) + 1)]
+    assert len(seen) == len(reference[requests[0].request_id]) - 1  # the last token arrives with the completion
+    assert done[0].tokens == reference[requests[0].request_id]

@@ -48,6 +48,7 @@ class SequenceState:
     first_token: float | None = None
     preemptions: int = 0
     generator: torch.Generator | None = None  # a sampling request's own, on the cache's device
+    number: int = 0  # the engine's count of submissions before this one
 
 
 class Chunk(NamedTuple):
@@ -93,6 +94,14 @@ class Scheduler:
         seq.cached_tokens += match.tokens
         self.running.append(seq)
         return True
+
+    def remove(self, seq: SequenceState) -> None:
+        """Take a sequence out of the queue or the batch at once (an aborted request) and free its blocks."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+            self.cache.release(seq.request.request_id)
 
     def retire(self) -> list[SequenceState]:
         """Remove the finished sequences from the batch and free their blocks; returns them."""

@@ -24,6 +24,7 @@ its longest cached prefix.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Hashable
@@ -175,10 +176,10 @@ class Engine:
                                   block_size, dtype=param.dtype, device=param.device, prefix_caching=prefix_caching,
                                   int8=int8)
         self.scheduler = SCHEDULERS[scheduling](self.cache, max_batch, self.max_step_tokens)
-        self._pending: dict[Hashable, SequenceState] = {}  # submitted and not yet returned by `run`
-        self._finished: dict[Hashable, Completion] = {}
+        self._live: dict[Hashable, SequenceState] = {}  # submitted, neither complete nor aborted
+        self._submissions = itertools.count()  # orders `run`'s completions as the requests were submitted
         self._start: float | None = None
-        self._iterations: list[IterationStats] = []
+        self.last_iteration: IterationStats | None = None
 
     # ---- requests in ----
 
@@ -187,7 +188,7 @@ class Engine:
         one that merely does not fit next to the others waits."""
         cfg, rid = self.model.config, request.request_id
         prompt = list(request.prompt)
-        if rid in self._pending:
+        if rid in self._live:
             raise ValueError(f"request id {rid!r} is already queued or running; use unique ids")
         if not prompt:
             raise ValueError(f"request {rid!r}: the prompt is empty; give at least one token")
@@ -220,9 +221,27 @@ class Engine:
         if not request.sampling.is_greedy:
             seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()))
             generator = torch.Generator(self.cache.device).manual_seed(seed)
-        seq = SequenceState(request, time.perf_counter(), tokens=prompt, generator=generator)
-        self._pending[rid] = seq
+        seq = SequenceState(request, time.perf_counter(), tokens=prompt, generator=generator,
+                            number=next(self._submissions))
+        self._live[rid] = seq
         self.scheduler.waiting.append(seq)
+
+    def abort(self, request_id: Hashable) -> bool:
+        """Drop a queued or running request (a client went away): it leaves the batch and its KV blocks are freed
+        now, as a finished sequence's are. False if no such request is live (complete, aborted or unknown)."""
+        seq = self._live.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        return True
+
+    def generated(self, request_id: Hashable) -> list[int]:
+        """The tokens a live request has generated so far (a copy), e.g. to stream them as they come."""
+        return list(self._live[request_id].generated)
+
+    @property
+    def live_requests(self) -> int:
+        return len(self._live)
 
     # ---- the forward pass ----
 
@@ -250,7 +269,8 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Completion]:
         """Schedule, run one forward pass, append a token to each sequence whose chunk reached its end.
-        Returns the requests that completed in this iteration."""
+        Returns the requests that completed in this iteration; `last_iteration` describes it. A request's tokens so
+        far are `generated(request_id)` until it completes."""
         if self._start is None:
             self._start = time.perf_counter()
         plan, preempted = self.scheduler.schedule()
@@ -285,15 +305,15 @@ class Engine:
                 seq.finish_reason = "eos"
             elif len(seq.generated) == seq.request.max_tokens:
                 seq.finish_reason = "length"
-        self._iterations.append(IterationStats(
+        self.last_iteration = IterationStats(
             end_s=now - self._start, batch=batch, used_slots=sum(s.num_computed for s in live),
-            allocated_slots=self.cache.allocated_slots, waiting=len(self.scheduler.waiting), preempted=preempted))
+            allocated_slots=self.cache.allocated_slots, waiting=len(self.scheduler.waiting), preempted=preempted)
         completions = []
         for seq in self.scheduler.retire():
+            del self._live[seq.request.request_id]
             completions.append(Completion(seq.request.request_id, len(seq.request.prompt), seq.generated,
                                           seq.finish_reason, seq.first_token - seq.submitted, now - seq.submitted,
                                           seq.preemptions, seq.cached_tokens))
-        self._finished.update((c.request_id, c) for c in completions)
         return completions
 
     @staticmethod
@@ -311,16 +331,18 @@ class Engine:
         return tokens
 
     def run(self) -> ServingRun:
-        """Step until every submitted request is complete. Returns the completions of all requests submitted
-        since the last `run` (in submission order), the iterations since then and their wall time."""
-        if not self._pending:
+        """Step until every submitted request is complete. Returns their completions (in submission order), the
+        iterations run and their wall time."""
+        if not self._live:
             raise RuntimeError("nothing to run: submit requests first")
+        order = {rid: seq.number for rid, seq in self._live.items()}
+        completions, iterations = [], []
+        self._start = None
         while self.has_work:
-            self.step()
+            completions += self.step()
+            iterations.append(self.last_iteration)
         wall = time.perf_counter() - self._start
-        result = ServingRun([self._finished[rid] for rid in self._pending], self._iterations, wall)
-        self._pending, self._finished, self._iterations, self._start = {}, {}, [], None
-        return result
+        return ServingRun(sorted(completions, key=lambda c: order[c.request_id]), iterations, wall)
 
 
 def serve(model: GPT, requests: list[Request], **engine_args) -> ServingRun:

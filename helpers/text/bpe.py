@@ -110,6 +110,11 @@ class BPETokenizer:
                     ids.extend(self.encode_chunk(chunk))
         return ids
 
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Token ids of `text` with special tokens' names encoded as plain text, as tiktoken's `encode_ordinary`
+        (for a client's text, which must not be able to end a document)."""
+        return [token for chunk in self._split.findall(text) for token in self.encode_chunk(chunk)]
+
     def decode(self, ids: Iterable[int]) -> str:
         """The text of token ids (invalid UTF-8, possible when ids are cut mid-character, shows as U+FFFD)."""
         names = {token: name.encode("utf-8") for name, token in self.special_tokens.items()}

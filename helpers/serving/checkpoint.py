@@ -1,0 +1,96 @@
+"""What the server serves: a model folder in the Hugging Face layout (config.json, model.safetensors and the
+tokenizer's files), so the same folder runs in the course's server and in `transformers`.
+
+A chat request is turned into one prompt by the folder's chat template (Jinja, as `transformers` renders it). A base
+model has no chat format of its own; it gets `PLAIN_CHAT_TEMPLATE`, which writes each message as "Role: text" on
+its own paragraph and ends with "Assistant:", so the model continues as the assistant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..model.gpt import GPT
+from ..model.hf_gpt2 import WeightsError, load_hf_gpt2, save_hf_gpt2
+from ..model.hf_llama import load_hf_llama, save_hf_llama
+from ..text.tokenizer import ENDOFTEXT
+from ..text.tokenizer_files import (
+    Tokenizer,
+    load_tokenizer_files,
+    save_tokenizer_files,
+    special_tokens,
+    tokenizer_config,
+    vocab_size,
+)
+
+PLAIN_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}"
+                       "\n\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
+def export_for_serving(model: GPT, tokenizer: Tokenizer, directory: str | os.PathLike, *,
+                       chat_template: str = PLAIN_CHAT_TEMPLATE) -> Path:
+    """Write `model` (GPT-2 or Llama layout, whichever its config is) and `tokenizer` into `directory`."""
+    if vocab_size(tokenizer) != model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {vocab_size(tokenizer)} tokens but the model's vocab_size is "
+                         f"{model.config.vocab_size}; export the tokenizer the model was trained with")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (save_hf_gpt2 if model.config.is_gpt2 else save_hf_llama)(model, directory)
+    save_tokenizer_files(tokenizer, directory, chat_template=chat_template,
+                         model_max_length=model.config.context_length)
+    return directory
+
+
+@dataclass
+class ServedModel:
+    """A loaded model folder: the model (eval mode), its tokenizer, the name clients call it by, its chat template
+    and the token that ends a text (None if the tokenizer has none)."""
+
+    model: GPT
+    tokenizer: Tokenizer
+    name: str
+    chat_template: str
+    eos_id: int | None
+
+    @property
+    def context_length(self) -> int:
+        return self.model.config.context_length
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The prompt of a chat: the messages through the chat template, ready for the assistant's reply."""
+        try:
+            template = ImmutableSandboxedEnvironment().from_string(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=True)
+        except TemplateError as err:
+            raise ValueError(f"the chat template failed on these messages: {err}") from None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a client's text: special tokens' names are plain text there, never control tokens."""
+        return self.tokenizer.encode_ordinary(text)
+
+
+def load_for_serving(directory: str | os.PathLike, *, name: str | None = None, device: str | torch.device = "cpu",
+                     dtype: torch.dtype | None = None) -> ServedModel:
+    """Load a folder `export_for_serving` wrote (or any GPT-2/Llama folder with those tokenizer files)."""
+    directory = Path(directory)
+    config_json = directory / "config.json"
+    if not config_json.is_file():
+        raise WeightsError(f"{directory} has no config.json: give a folder written by "
+                           "helpers.serving.checkpoint.export_for_serving")
+    model_type = json.loads(config_json.read_text()).get("model_type")
+    load = load_hf_gpt2 if model_type == "gpt2" else load_hf_llama
+    model = load(directory, device=device, dtype=dtype).eval()
+    tokenizer = load_tokenizer_files(directory)
+    if vocab_size(tokenizer) != model.config.vocab_size:
+        raise WeightsError(f"{directory}: the tokenizer has {vocab_size(tokenizer)} tokens but the model's vocab_size "
+                           f"is {model.config.vocab_size}; the folder holds a tokenizer of another model")
+    template = tokenizer_config(directory).get("chat_template") or PLAIN_CHAT_TEMPLATE
+    return ServedModel(model, tokenizer, name or directory.resolve().name, template,
+                       special_tokens(tokenizer).get(ENDOFTEXT))

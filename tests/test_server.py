@@ -1,0 +1,504 @@
+"""The HTTP server over the engine, against references: the tokens of `generate_with_cache` in float64 (so batched and
+single-sequence kernels agree exactly), Python's own string search for stop strings, `transformers`' tokenizer for
+the tokenizer files, and the official `openai` client for the API's shapes.
+
+In-process tests check the pieces (the text stream, the tokenizer files, the engine loop, the API's refusals); the
+others start `python -m helpers serve` on a free loopback port, one server per module, always stopped."""
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from helpers import GPT, GPTConfig
+from helpers.inference.kv_cache import generate_with_cache
+from helpers.inference.scheduler import Request
+from helpers.inference.serving import Engine
+from helpers.model.decoding import GREEDY, Sampling
+from helpers.serving.api import create_app
+from helpers.serving.checkpoint import PLAIN_CHAT_TEMPLATE, export_for_serving, load_for_serving
+from helpers.serving.engine_loop import EngineLoop, QueueFull, Update
+from helpers.serving.server import LOOPBACK, start_server
+from helpers.serving.text_stream import TextStream
+from helpers.text.bpe import train_bpe
+from helpers.text.tokenizer import get_tokenizer
+from helpers.text.tokenizer_files import TokenizerFilesError, load_tokenizer_files, save_tokenizer_files, token_bytes
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Ça coûte 12 €, naïve café! 日本語のテキスト. "
+        "def main():\n    return 42\n") * 20
+EOT = "<|endoftext|>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_bpe(TEXT, 320, special_tokens=[EOT])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, tokenizer):
+    """A small random GPT and its tokenizer, exported for serving."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=tokenizer.vocab_size, context_length=64, d_model=32, n_heads=2, n_layers=2,
+                       dropout=0.0)
+    return export_for_serving(GPT(config), tokenizer, tmp_path_factory.mktemp("served") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def served64(folder):
+    return load_for_serving(folder, dtype=torch.float64)
+
+
+# ---- the text stream ----
+
+
+def stream_text(tokens, tokenizer, stop=()):
+    stream = TextStream(lambda t: token_bytes(tokenizer, t), stop)
+    pieces = [stream.push(t) for t in tokens]
+    return pieces + [stream.finish()], stream.stopped
+
+
+@pytest.mark.parametrize("stop", [(), ("fox",), ("é, n", "lazy"), ("42\nThe",), ("not in the text",)])
+def test_streamed_text_is_the_decoded_text_cut_before_the_first_stop(tokenizer, stop):
+    """The pieces add up to Python's decode of all the tokens, cut where str.find sees the first stop string; no
+    piece shows half a character or any part of a stop string that later completes."""
+    tokens = tokenizer.encode(TEXT[:400])
+    text = tokenizer.decode(tokens)
+    cut = min([i for i in (text.find(s) for s in stop) if i >= 0], default=len(text))
+    pieces, stopped = stream_text(tokens, tokenizer, stop)
+    assert "".join(pieces) == text[:cut]
+    assert stopped == (cut < len(text))
+    assert "\ufffd" not in "".join(pieces)
+    assert sum(bool(p) for p in pieces) > 5  # it streams, rather than holding everything to the end
+
+
+def test_a_character_split_across_tokens_waits_for_its_last_byte():
+    byte_tokens = list("日本".encode())  # six one-byte tokens of a byte-level vocabulary
+
+    class Bytes:
+        special_tokens: dict = {}
+        token_bytes = [bytes([b]) for b in range(256)]
+
+    pieces, _ = stream_text(byte_tokens, Bytes())
+    assert pieces == ["", "", "日", "", "", "本", ""]
+    cut_short, _ = stream_text(byte_tokens[:4], Bytes())
+    assert "".join(cut_short) == "日\ufffd"  # a text that ends mid-character shows U+FFFD, as bytes.decode does
+
+
+def test_text_held_for_a_stop_string_is_released_when_it_stops_matching():
+    class Chars:
+        special_tokens: dict = {}
+        token_bytes = [bytes([b]) for b in range(256)]
+
+    pieces, stopped = stream_text(b"User said: Use it", Chars(), stop=("User:",))
+    assert "".join(pieces) == "User said: Use it" and not stopped
+    assert pieces[:4] == ["", "", "", ""]  # "User" could still become "User:"
+    assert pieces[4] == "User "
+
+
+# ---- tokenizer files ----
+
+
+def test_a_course_tokenizer_round_trips_and_transformers_reads_the_same_ids(tokenizer, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    save_tokenizer_files(tokenizer, tmp_path, chat_template=PLAIN_CHAT_TEMPLATE)
+    back = load_tokenizer_files(tmp_path)
+    assert back.merges == tokenizer.merges and back.special_tokens == tokenizer.special_tokens
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = TEXT[:300] + EOT + " and more"
+    assert theirs(text)["input_ids"] == tokenizer.encode(text, allowed_special={EOT})
+    assert theirs.eos_token_id == tokenizer.special_tokens[EOT]
+
+
+def test_gpt2s_tokenizer_is_saved_as_gpt2s_files_and_read_back_as_tiktoken(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    save_tokenizer_files(get_tokenizer(), tmp_path)
+    assert load_tokenizer_files(tmp_path) is get_tokenizer()
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert theirs(TEXT[:300])["input_ids"] == get_tokenizer().encode(TEXT[:300])
+
+
+def test_tokenizer_files_of_another_kind_are_refused_with_the_reason(tokenizer, tmp_path):
+    with pytest.raises(TokenizerFilesError, match="has no vocab.json"):
+        load_tokenizer_files(tmp_path)
+    save_tokenizer_files(tokenizer, tmp_path)
+    vocab = json.loads((tmp_path / "vocab.json").read_text())
+    first, second = next(iter(vocab)), list(vocab)[1]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # byte ids in another order (as GPT-2's own are)
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    with pytest.raises(TokenizerFilesError, match="does not give byte b the id b"):
+        load_tokenizer_files(tmp_path)
+
+
+def test_a_client_cannot_end_a_document_by_writing_the_special_tokens_name(served64):
+    ids = served64.encode("a" + EOT)
+    assert served64.eos_id not in ids and served64.tokenizer.decode(ids) == "a" + EOT
+
+
+# ---- the engine loop ----
+
+
+def reference(served, prompt, max_tokens, sampling=GREEDY, seed=None):
+    """generate_with_cache's tokens, cut after the end-of-text token."""
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    out = generate_with_cache(served.model, torch.tensor([prompt]), max_tokens, sampling, generator)[0, len(prompt):]
+    tokens = out.tolist()
+    return tokens[: tokens.index(served.eos_id) + 1] if served.eos_id in tokens else tokens
+
+
+def text_of(served, tokens):
+    """What a client sees of the tokens: their text, the end-of-text token not written."""
+    return served.tokenizer.decode([t for t in tokens if t != served.eos_id])
+
+
+class Collector:
+    def __init__(self):
+        self.updates, self.done, self.on_first_token = [], threading.Event(), None
+
+    def __call__(self, update: Update):
+        self.updates.append(update)
+        if self.on_first_token is not None and len(self.updates) == 1:
+            self.on_first_token()
+        if update.finish_reason is not None:
+            self.done.set()
+
+    @property
+    def tokens(self):
+        return [t for u in self.updates for t in u.tokens]
+
+
+def test_requests_arriving_while_others_run_get_generate_with_caches_tokens(served64):
+    loop = EngineLoop(Engine(served64.model, max_batch=4, block_size=8, prefix_caching=True), max_waiting=8).start()
+    try:
+        shared = TEXT[:70]  # a prefix of several blocks, computed once
+        prompts = [served64.encode(shared + t) for t in ("", " The quick", " def main", " naïve café")]
+        collectors = []
+        for i, prompt in enumerate(prompts):
+            collectors.append(Collector())
+            loop.submit(Request(i, tuple(prompt), 12 + i), collectors[-1])
+            if i == 0:  # the others join the running batch once the first has its prompt in the cache
+                wait_for(lambda: collectors[0].updates, 60, "the first request produced no token")
+        for c in collectors:
+            assert c.done.wait(60)
+        for prompt, c, i in zip(prompts, collectors, range(4), strict=True):
+            assert c.tokens == reference(served64, prompt, 12 + i)
+            assert c.updates[-1].finish_reason == "length"
+            assert len(c.updates) > 2  # tokens came as they were generated, not all at the end
+        assert loop.stats.blocks_used == 0 and loop.stats.running == 0
+        assert loop.stats.prefix_hit_rate > 0  # "The quick" and "The quick brown" share blocks
+    finally:
+        loop.stop(10)
+    assert not loop.alive
+
+
+def test_the_loop_refuses_past_its_capacity_and_ends_live_requests_when_stopped(served64):
+    loop = EngineLoop(Engine(served64.model, max_batch=1), max_waiting=1)  # not started: requests stay queued
+    first, second = Collector(), Collector()
+    loop.submit(Request("a", (1, 2), 5), first)
+    loop.submit(Request("b", (1, 2), 5), second)
+    with pytest.raises(QueueFull):
+        loop.submit(Request("c", (1, 2), 5), Collector())
+    first.on_first_token = lambda: loop.stop()  # stops the loop from its own thread, mid-request
+    loop.start()
+    assert first.done.wait(60) and second.done.wait(60)
+    assert [u.finish_reason for u in first.updates] == [None, "abort"]
+    assert [u.finish_reason for u in second.updates] == ["abort"]  # it was waiting for the batch of one
+    assert not loop.engine.cache.allocator.num_used and not loop.engine.live_requests
+    loop.stop(30)
+    assert not loop.alive
+
+
+# ---- the API in process (no engine running: requests stay queued) ----
+
+
+def in_process_client(served, **options):
+    loop = EngineLoop(Engine(served.model, max_batch=1), max_waiting=options.pop("max_waiting", 0))
+    transport = httpx.ASGITransport(app=create_app(served, loop, **options))
+    return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+
+def test_a_full_queue_is_answered_429_at_once(served64):
+    async def scenario():
+        async with in_process_client(served64, max_waiting=1) as client:
+            body = {"model": "tiny", "prompt": "The", "max_tokens": 4}
+            held = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(2)]
+            await asyncio.sleep(0.2)  # both are queued, and the engine is not running
+            refused = await asyncio.wait_for(client.post("/v1/completions", json=body), 10)
+            for task in held:
+                task.cancel()
+            return refused
+
+    refused = asyncio.run(scenario())
+    assert refused.status_code == 429
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_an_api_key_is_required_when_set(served64):
+    async def scenario():
+        async with in_process_client(served64, api_key="s3cret") as client:
+            return [await client.get("/v1/models", headers=headers) for headers in
+                    ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer s3cret"})] + \
+                [await client.get("/health")]
+
+    missing, wrong, right, health = asyncio.run(scenario())
+    assert missing.status_code == wrong.status_code == 401
+    assert missing.json()["error"]["code"] == "invalid_api_key"
+    assert right.status_code == 200 and right.json()["data"][0]["id"] == "tiny"
+    assert health.status_code == 503  # no key needed (and the engine loop of this app was never started)
+
+
+# ---- a real server on a loopback port ----
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    """One server for the module, float64 so batched kernels match generate_with_cache exactly."""
+    with start_server(folder, "--dtype", "float64", "--max-batch", "4", "--max-waiting", "64",
+                      "--block-size", "8", "--max-body-bytes", "20000", "--graceful-seconds", "1") as running:
+        yield running
+        assert running.process.poll() is None, "the server died during the tests"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+@pytest.mark.timeout(120)
+def test_completions_streamed_or_not_are_generate_with_caches_tokens(client, served64):
+    prompt = "The quick brown"
+    ids = served64.encode(prompt)
+    expected = text_of(served64, reference(served64, ids, 20))
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+    assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 20)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert len(chunks) > 3 and chunks[-1].choices[0].finish_reason == "length"
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=20, temperature=0)
+    assert by_ids.choices[0].text == expected
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_requests_each_get_their_own_tokens(client, served64):
+    """Requests that share the running batch (continuous batching, shared prefixes) get what each gets alone."""
+    prompts = [f"The quick brown fox {word}" for word in ("jumps", "runs", "naïve", "日本", "def", "café")]
+
+    def ask(prompt):
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+
+    results = {}
+    threads = [threading.Thread(target=lambda p=p: results.__setitem__(p, ask(p))) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    for p in prompts:
+        assert results[p] == text_of(served64, reference(served64, served64.encode(p), 16)), p
+
+
+@pytest.mark.timeout(120)
+def test_a_seeded_sampled_request_is_reproducible(client, served64):
+    def ask(seed):
+        return client.completions.create(model="tiny", prompt="The", max_tokens=24, temperature=1.0, seed=seed,
+                                         extra_body={"top_k": 50}).choices[0].text
+
+    first, again = ask(7), ask(7)
+    sampling = Sampling(temperature=1.0, top_k=50)
+    expected = text_of(served64, reference(served64, served64.encode("The"), 24, sampling, seed=7))
+    assert first == again == expected
+
+
+@pytest.mark.timeout(120)
+def test_stop_strings_end_the_text_before_them_across_token_boundaries(client, served64):
+    ids = served64.encode("naïve")
+    full = text_of(served64, reference(served64, ids, 40))
+    stop = full[9:13]  # four characters from the middle of the text, whatever tokens they span
+    expected = full[: full.find(stop)]
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.completions.create(model="tiny", prompt="naïve", max_tokens=40, temperature=0,
+                                                    stop=[stop, "never appears"], stream=True))
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            answer = client.completions.create(model="tiny", prompt="naïve", max_tokens=40, temperature=0,
+                                               stop=[stop, "never appears"])
+            text, finish = answer.choices[0].text, answer.choices[0].finish_reason
+        assert (text, finish) == (expected, "stop")
+
+
+@pytest.mark.timeout(120)
+def test_chat_goes_through_the_chat_template(client, served64):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fox."}]
+    prompt = served64.render_chat(messages)
+    assert prompt == "System: Be brief.\n\nUser: Name a fox.\n\nAssistant:"
+    expected = text_of(served64, reference(served64, served64.encode(prompt), 12))
+    answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert answer.choices[0].message.content == expected and answer.choices[0].message.role == "assistant"
+    assert answer.usage.prompt_tokens == len(served64.encode(prompt))
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+BAD_REQUESTS = [  # (what, path, body or raw bytes, status, the field named)
+    ("malformed JSON", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
+    ("a wrong type", "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
+    ("a missing field", "/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("an unknown model", "/v1/completions", {"model": "gpt-5", "prompt": "a"}, 404, "model"),
+    ("negative max_tokens", "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": -1}, 400,
+     "max_tokens"),
+    ("max_tokens past the context", "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 500}, 400,
+     "max_tokens"),
+    ("temperature below 0", "/v1/completions", {"model": "tiny", "prompt": "a", "temperature": -0.5}, 400,
+     "temperature"),
+    ("top_p of 0", "/v1/completions", {"model": "tiny", "prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("top_p above 1", "/v1/completions", {"model": "tiny", "prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    ("a prompt longer than the context", "/v1/completions", {"model": "tiny", "prompt": "fox " * 200}, 400,
+     "prompt"),
+    ("n above 1", "/v1/completions", {"model": "tiny", "prompt": "a", "n": 2}, 400, "n"),
+    ("logprobs", "/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 3}, 400, "logprobs"),
+    ("an empty stop string", "/v1/completions", {"model": "tiny", "prompt": "a", "stop": ""}, 400, "stop"),
+    ("a role that does not exist", "/v1/chat/completions",
+     {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ("a token id outside the vocabulary", "/v1/completions", {"model": "tiny", "prompt": [5, 99999]}, 400,
+     "prompt"),
+    ("an oversized body", "/v1/completions", {"model": "tiny", "prompt": "a" * 30000}, 413, None),
+]
+
+
+@pytest.mark.timeout(120)
+def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving(server, client):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for what, path, body, status, param in BAD_REQUESTS:
+            if isinstance(body, bytes):
+                response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+            else:
+                response = http.post(path, json=body)
+            assert response.status_code == status, (what, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and error["message"], (what, error)
+        assert http.get("/health").json()["status"] == "ok"
+    assert client.completions.create(model="tiny", prompt="a", max_tokens=2).usage.completion_tokens == 2
+
+
+def metric(server, name):
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
+    assert len(values) == 1, f"{name} not in /metrics"
+    return values[0]
+
+
+def wait_for(condition, timeout, what):
+    """Poll until `condition()` holds, failing after `timeout` seconds with `what`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(240)
+def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
+    """Hundreds of streams cut after their first event: every sequence is aborted and no block stays held."""
+
+    async def cut(client, i):
+        body = {"model": "tiny", "prompt": f"The quick {i}", "max_tokens": 40, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    return  # leaving the block closes the connection mid-stream
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            for start in range(0, 300, 30):
+                await asyncio.gather(*(cut(client, i) for i in range(start, start + 30)))
+
+    asyncio.run(run())
+    wait_for(lambda: metric(server, "course_running_sequences") == 0, 60, "aborted sequences still run")
+    wait_for(lambda: metric(server, "course_kv_blocks_used") == 0, 60, "aborted sequences still hold blocks")
+    assert metric(server, "course_generation_tokens_total") < 300 * 40  # they did not run to the end
+    assert metric(server, 'course_requests_total{endpoint="/v1/completions",status="200"}') >= 300
+
+
+@pytest.mark.timeout(60)
+def test_metrics_are_prometheus_text_with_the_servers_counters(server, client):
+    client.completions.create(model="tiny", prompt="The quick", max_tokens=3)
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    for name in ("course_requests_total", "course_prompt_tokens_total", "course_generation_tokens_total",
+                 "course_running_sequences", "course_waiting_sequences", "course_kv_blocks_used",
+                 "course_kv_blocks_free", "course_prefix_cache_hit_rate", "course_time_to_first_token_seconds_bucket",
+                 "course_inter_token_latency_seconds_bucket"):
+        assert f"\n{name}" in text, name
+    assert metric(server, "course_time_to_first_token_seconds_count") >= 1
+
+
+@pytest.mark.timeout(60)
+def test_models_health_and_the_chat_page(server):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny"]
+        assert http.get("/health").json() == {"status": "ok", "model": "tiny"}
+        page = http.get("/")
+        assert page.status_code == 200 and "/v1/chat/completions" in page.text
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(180)
+def test_sigterm_finishes_or_cancels_what_runs_releases_the_port_and_exits_0(folder):
+    server = start_server(folder, "--graceful-seconds", "2")
+    try:
+        port = int(server.url.rsplit(":", 1)[1])
+        body = {"model": "tiny", "prompt": "The", "max_tokens": 60, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=60) as http, http.stream("POST", "/v1/completions",
+                                                                              json=body) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            server.process.send_signal(signal.SIGTERM)
+            try:
+                rest = list(lines)  # the stream ends: finished within the grace period, or cut after it
+            except httpx.HTTPError:
+                rest = []
+            assert server.process.wait(60) == 0
+            assert all(not line.startswith("data: {") or json.loads(line[6:]) for line in rest)
+        with socket.socket() as s:  # the port is free again for a new server (which sets SO_REUSEADDR, as uvicorn)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((LOOPBACK, port))
+            s.listen()
+    finally:
+        server.stop()
+
+
+def test_serve_refuses_bad_arguments_with_a_usage_error(python_process, tmp_path):
+    result = python_process("-m", "helpers", "serve", "--checkpoint", tmp_path / "missing")
+    assert result.returncode == 2 and "no such folder" in result.stderr
+    result = python_process("-m", "helpers", "serve", "--checkpoint", tmp_path, "--port", "70000")
+    assert result.returncode == 2 and "--port" in result.stderr
+
+
+def test_a_folder_without_a_model_is_refused_in_one_line(python_process, tmp_path):
+    result = python_process("-m", "helpers", "serve", "--checkpoint", tmp_path)
+    assert result.returncode == 2 and "has no config.json" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.subprocess
+def test_start_server_says_when_the_server_exits_and_stops_one_that_never_answers(folder, tmp_path, monkeypatch):
+    with pytest.raises(RuntimeError, match="exited with code 2 before answering"):
+        start_server(tmp_path, timeout=120)
+    started = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    with pytest.raises(TimeoutError, match="did not answer"):
+        start_server(folder, timeout=0.01)
+    assert len(started) == 1 and started[0].poll() is not None  # stopped, not left running
