@@ -18,7 +18,7 @@ PARALLEL := -n $(WORKERS) --dist loadgroup
 REPORT := --durations=25 --timeout=900
 FAST := not (notebook or distributed or subprocess or compile or slow or serial)
 
-.PHONY: setup core course solutions record lab test test-fast check sync-bootstrap clean
+.PHONY: setup browser core course solutions record lab test test-fast check sync-bootstrap clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
@@ -36,6 +36,12 @@ $(DEV): $(RUNTIME)
 
 setup: $(DEV)  ## create .venv and install everything, the development tools included
 
+browser:  ## install Debian's Chromium, which the chat page's test drives, unless a `chromium` is already there
+	@command -v chromium >/dev/null || { \
+		sudo=$$(test "$$(id -u)" = 0 || echo sudo); \
+		$$sudo apt-get install -y --no-install-recommends chromium || \
+		{ $$sudo apt-get update && $$sudo apt-get install -y --no-install-recommends chromium; }; }
+
 core: $(RUNTIME)  ## execute the core path's notebooks headless, in order, into reports/ (COURSE_SMOKE=1 for the smoke scale)
 	$(BIN)/python -m helpers run-notebooks --out reports --core
 
@@ -51,7 +57,7 @@ record: $(RUNTIME)  ## re-record every notebook in place at the default scale, o
 lab: $(RUNTIME)  ## open the course in JupyterLab
 	$(BIN)/jupyter lab
 
-test: $(DEV)  ## ruff + every test: in parallel workers, then the timing- and memory-sensitive ones alone
+test: $(DEV) browser  ## ruff + every test: in parallel workers, then the timing- and memory-sensitive ones alone
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PARALLEL) $(REPORT) --budget parallel -m "not serial"
 	$(BIN)/python -m pytest $(REPORT) --budget serial -m serial

@@ -58,6 +58,7 @@ MODULE_MARKERS = {
     "test_virtual_device": ("versions",),  # dispatch and function modes, wrapper subclasses, swapped parameters
     "test_weights": ("versions",),  # transformers' GPT2LMHeadModel
     "test_server": ("versions",),  # FastAPI, Starlette, uvicorn, the openai client, transformers' tokenizer
+    "test_chat_page": ("versions",),  # Playwright and Chromium
     # results that no library's version can change
     "test_layout": ("versionless",),
     "test_project": ("versionless",),

@@ -21,6 +21,8 @@ from helpers import GPT, GPTConfig
 from helpers.inference.kv_cache import generate_with_cache
 from helpers.inference.scheduler import Request
 from helpers.inference.serving import Engine
+from helpers.measure.load_test import check_loopback, format_table, load_test, percentile, workload
+from helpers.measure.serving_race import format_race, medians, race
 from helpers.model.decoding import GREEDY, Sampling
 from helpers.serving.api import create_app
 from helpers.serving.checkpoint import PLAIN_CHAT_TEMPLATE, export_for_serving, load_for_serving
@@ -502,3 +504,55 @@ def test_start_server_says_when_the_server_exits_and_stops_one_that_never_answer
     with pytest.raises(TimeoutError, match="did not answer"):
         start_server(folder, timeout=0.01)
     assert len(started) == 1 and started[0].poll() is not None  # stopped, not left running
+
+
+# ---- the load generator and the race ----
+
+
+def test_the_load_generator_sends_traffic_only_to_loopback(python_process):
+    for url in ("http://example.com:8000", "http://10.0.0.1:8000", "ftp://127.0.0.1:21"):
+        result = python_process("-m", "helpers", "load-test", url)
+        assert result.returncode == 2 and "loopback" in result.stderr, url
+    assert check_loopback("http://localhost:8000/") == "http://localhost:8000"
+
+
+def test_the_workload_is_seeded_and_every_request_fits_when_asked(served64):
+    assert workload(20, seed=3) == workload(20, seed=3) != workload(20, seed=4)
+    context = served64.context_length
+    fitted = workload(50, seed=3, max_tokens=(8, 24), fits=lambda p, m: len(served64.encode(p)) + m <= context)
+    assert all(len(served64.encode(r.prompt)) + r.max_tokens <= context for r in fitted)
+    assert len({r.prompt for r in fitted}) == 50
+
+
+@pytest.mark.parametrize("values", [[3.0], [5.0, 1.0], [0.5, 9.0, 2.0, 4.0, 4.0, 7.5, 1.25]])
+def test_percentiles_interpolate_as_numpy(values):
+    numpy = pytest.importorskip("numpy")
+    for p in (0, 50, 90, 99, 100):
+        assert percentile(values, p) == pytest.approx(float(numpy.percentile(values, p)))
+
+
+@pytest.mark.timeout(180)
+def test_a_load_test_counts_every_token_and_no_error(server, served64):
+    requests = workload(12, seed=1, prompt_words=(2, 6), max_tokens=(4, 12))
+    rows = load_test(server.url, [1, 4], requests, max_seconds=120, model="tiny")
+    for row in rows:
+        assert (row["requests"], row["errors"]) == (12, 0), row["first_error"]
+        expected = sum(len(reference(served64, served64.encode(r.prompt), r.max_tokens)) for r in requests)
+        assert row["output_tokens"] == expected  # the usage each stream reports, summed
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and row["tokens_per_s"] > 0
+    assert "TTFT p50" in format_table(rows)
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(300)
+def test_a_race_interleaves_the_contenders_and_reports_medians(folder, tmp_path):
+    results = race(folder, ["course", "course-static"], [1, 4], n_requests=6, rounds=2, max_seconds=60,
+                   max_batch=4, log_dir=tmp_path)
+    assert set(results) == {"course", "course-static"}
+    for rounds in results.values():
+        assert [[row["concurrency"] for row in levels] for levels in rounds] == [[1, 4], [1, 4]]
+        assert all(row["errors"] == 0 and row["requests"] == 6 for levels in rounds for row in levels)
+    table = medians(results)
+    first = [r["tokens_per_s"] for r in (results["course"][0][0], results["course"][1][0])]
+    assert table["course"][0]["tokens_per_s"] == pytest.approx(sum(first) / 2)
+    assert "course-static" in format_race(table)

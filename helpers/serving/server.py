@@ -97,21 +97,37 @@ COMMAND = Command("serve", "serve a model folder over an OpenAI-compatible HTTP 
 
 
 class ServerProcess:
-    """A `python -m helpers serve` child process: `url` once it answers /health; `stop()` ends it (SIGTERM, then
-    SIGKILL after `timeout`). A context manager, so a notebook or a test never leaves a server behind."""
+    """A server in a child process (in a session of its own, with any processes it starts): `url` once it answers
+    /health; `stop()` ends them (SIGTERM, then SIGKILL after `timeout`); `pause()` and `resume()` freeze and thaw
+    them, so a server waiting its turn in a benchmark takes no CPU. A context manager, so a notebook or a test never
+    leaves a server behind."""
 
     def __init__(self, process: subprocess.Popen, url: str) -> None:
         self.process, self.url = process, url
 
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:  # already gone
+            pass
+
+    def pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait for the exit; returns its exit code (SIGKILL if it has not exited within `timeout`)."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.resume()
+            self._signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self._signal(signal.SIGKILL)
                 self.process.wait()
+        self._signal(signal.SIGKILL)  # whatever the server started and left behind
         return self.process.returncode
 
     def __enter__(self) -> ServerProcess:
@@ -127,22 +143,27 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
-def start_server(checkpoint: str | os.PathLike, *options: str, timeout: float = 300.0,
-                 env: dict[str, str] | None = None) -> ServerProcess:
-    """Start `python -m helpers serve --checkpoint CHECKPOINT OPTIONS...` on a free loopback port and wait until it
-    answers /health (at most `timeout` seconds, failing at once if the process exits). Its output goes to this
-    process's stderr."""
-    port = free_port()
-    command = [sys.executable, "-m", "helpers", "serve", "--checkpoint", str(checkpoint), "--port", str(port),
-               *options]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
+def launch(command: list[str], port: int, timeout: float = 300.0, env: dict[str, str] | None = None,
+           log: str | os.PathLike | None = None) -> ServerProcess:
+    """Run `command` (a server that will listen on `port` of the loopback address) and wait until it answers
+    /health: at most `timeout` seconds, failing at once if it exits. Its output goes to this process's stderr, or
+    to the file `log` (whose end an error then quotes)."""
+    output = open(log, "w") if log is not None else None  # noqa: SIM115 - the child writes it until it exits
+    try:
+        process = subprocess.Popen(command, stdout=output or subprocess.DEVNULL, stderr=output,
+                                   env=env, start_new_session=True)
+    finally:
+        if output is not None:
+            output.close()
     server = ServerProcess(process, f"http://{LOOPBACK}:{port}")
     deadline = time.monotonic() + timeout
     try:
         while True:
             if process.poll() is not None:
+                where = "printed above" if log is None else \
+                    "the end of its log: " + " | ".join(Path(log).read_text().strip().splitlines()[-3:])
                 raise RuntimeError(f"the server exited with code {process.returncode} before answering /health "
-                                   f"(command: {' '.join(command)}); its error is printed above")
+                                   f"(command: {' '.join(command)}); its error is {where}")
             try:
                 with urllib.request.urlopen(server.url + "/health", timeout=5) as response:
                     if response.status == 200:
@@ -155,3 +176,13 @@ def start_server(checkpoint: str | os.PathLike, *options: str, timeout: float = 
     except BaseException:
         server.stop()
         raise
+
+
+def start_server(checkpoint: str | os.PathLike, *options: str, timeout: float = 300.0,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """`python -m helpers serve --checkpoint CHECKPOINT OPTIONS...` on a free loopback port, once it answers
+    /health (see `launch`)."""
+    port = free_port()
+    command = [sys.executable, "-m", "helpers", "serve", "--checkpoint", str(checkpoint), "--port", str(port),
+               *options]
+    return launch(command, port, timeout, env)
