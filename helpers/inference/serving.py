@@ -281,12 +281,14 @@ class Engine:
             raise RuntimeError(f"the {self.scheduling} scheduler planned an iteration in which no sequence advances "
                                f"(max_step_tokens={self.max_step_tokens}, max_batch={self.max_batch}); this is a bug "
                                "in the engine: please report it with these settings")
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        if self.model.training:  # (train() walks every module: skipped when the model is already in eval mode)
+            self.model.eval()
+            try:
+                logits = self._forward(plan)
+            finally:
+                self.model.train()
+        else:
             logits = self._forward(plan)
-        finally:
-            self.model.train(was_training)
         next_ids = self._next_tokens(plan, logits)
         now = time.perf_counter()
         batch = tuple((seq.request.request_id, n, self._kind(seq, start)) for seq, start, n in plan)
