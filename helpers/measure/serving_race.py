@@ -63,7 +63,7 @@ def fitting_workload(folder: Path, n_requests: int, seed: int = 0) -> list[LoadR
 
 
 def race(folder: str | os.PathLike, contenders: list[str], concurrencies: list[int], n_requests: int, rounds: int,
-         max_seconds: float, max_batch: int = 16, seed: int = 0, progress=None,
+         max_seconds: float, max_batch: int = 64, seed: int = 0, progress=None,
          log_dir: str | os.PathLike | None = None) -> dict[str, list[list[dict]]]:
     """{contender: [round][level] summary}, runs interleaved as the module says. Each server's output goes to
     LOG_DIR/NAME.log (default: a temporary folder)."""
@@ -150,7 +150,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=positive_int, default=64, help="requests per level (default 64)")
     parser.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds (default 2)")
     parser.add_argument("--max-seconds", type=float, default=120.0, help="a level's time limit (default 120)")
-    parser.add_argument("--max-batch", type=positive_int, default=16, help="each server's batch (default 16)")
+    parser.add_argument("--max-batch", type=positive_int, default=64, help="each server's batch (default 64)")
     parser.add_argument("--plot", help="save throughput and p99 TTFT against concurrency here")
     add_json(parser, shape="one JSON object of every round")
 

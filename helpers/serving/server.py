@@ -33,12 +33,13 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     parser.add_argument("--model-name", help="the name clients call the model by (default: the folder's name)")
     parser.add_argument("--api-key", help="refuse /v1/ requests without the header Authorization: Bearer KEY")
-    parser.add_argument("--max-batch", type=positive_int, default=16, help="sequences in one iteration (default 16)")
+    parser.add_argument("--max-batch", type=positive_int, default=64, help="sequences in one iteration (default 64)")
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="requests that may wait for the batch; past that, 429 at once (default 256)")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
     parser.add_argument("--num-blocks", type=positive_int,
-                        help="KV blocks (default: max-batch sequences of the full context)")
+                        help="KV blocks, the cache's memory (default: max-batch sequences of the full context; "
+                             "fewer: sequences wait or are preempted when the blocks run out)")
     parser.add_argument("--scheduling", choices=("continuous", "static"), default="continuous",
                         help="the engine's scheduler (default continuous; static is the baseline)")
     parser.add_argument("--no-prefix-caching", action="store_true",
@@ -84,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
                      max_body_bytes=args.max_body_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.graceful_seconds)
-    print(f"serving {served.name!r} at http://{args.host}:{args.port} (Ctrl-C stops)", flush=True)
+    cache = engine.cache
+    mib = cache.num_blocks * cache.block_size * cache.bytes_per_slot / 2**20
+    print(f"serving {served.name!r} at http://{args.host}:{args.port} (Ctrl-C stops); KV cache: {cache.num_blocks} "
+          f"blocks of {cache.block_size} tokens, {mib:.0f} MiB", flush=True)
     # uvicorn catches SIGINT and SIGTERM while it runs and, once shut down, raises the signal again for the handler
     # that was there before. A no-op one here: a server told to stop has stopped, and exits 0, not by the signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
