@@ -34,7 +34,8 @@ from helpers.measure.batch_size import (  # noqa: E402
     make_training_step,
 )
 from helpers.measure.results import results_path, save_figure, save_json  # noqa: E402
-from helpers.measure.train_bench import bench_train, format_report, plot_ladder  # noqa: E402
+from helpers.measure.train_bench import bench_train  # noqa: E402
+from helpers.measure.train_report import format_report, plot_ladder  # noqa: E402
 from helpers.model.config import PRESETS  # noqa: E402
 from helpers.model.gpt import GPT  # noqa: E402
 from helpers.system.args import positive_int  # noqa: E402

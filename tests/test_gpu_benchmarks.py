@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.measure import train_bench
+from helpers.measure import train_bench, train_ladder, train_peer, train_report, train_rungs
 from helpers.measure.batch_size import BatchSizeError
 from helpers.model.config import PRESETS
 from helpers.system.device import REFERENCE_DEVICES
@@ -107,14 +107,14 @@ def test_flops_benchmark_records_a_failing_preset_and_operation_and_goes_on(chap
 
 def fail_rungs(monkeypatch, error: BaseException, when) -> None:
     """Make the rungs whose settings satisfy `when` raise `error` as their training step is built."""
-    ladder_step = train_bench.ladder_step
+    ladder_step = train_ladder.ladder_step
 
     def failing(model, settings, *args, **kwargs):
         if when(settings):
             raise error
         return ladder_step(model, settings, *args, **kwargs)
 
-    monkeypatch.setattr(train_bench, "ladder_step", failing)
+    monkeypatch.setattr(train_ladder, "ladder_step", failing)
 
 
 def test_training_benchmark_saves_after_every_rung(chapter_script, tmp_path, monkeypatch):
@@ -122,14 +122,14 @@ def test_training_benchmark_saves_after_every_rung(chapter_script, tmp_path, mon
     with pytest.raises(KeyboardInterrupt):
         chapter_script("ch05_training/gpu_benchmark.py").main(["--smoke", "--out", str(tmp_path)])
     report = written(tmp_path)
-    assert [r["name"] for r in report["rungs"]] == list(train_bench.LADDER[:train_bench.LADDER.index("accumulation")])
+    assert [r["name"] for r in report["rungs"]] == list(train_rungs.LADDER[:train_rungs.LADDER.index("accumulation")])
     # on a CPU the rungs are timed together once all are set up (interleaved); a GPU measures each in turn (below)
     assert {r["status"] for r in report["rungs"]} == {"pending", "skipped"}
 
 
 def test_each_rung_is_in_the_report_as_soon_as_it_is_measured():
     """What a GPU does: one rung after another, each measured before the next starts."""
-    ladder = train_bench.Ladder(PRESETS["gpt-smoke"], 2, 16, steps=1, warmup=1, device="cpu",
+    ladder = train_ladder.Ladder(PRESETS["gpt-smoke"], 2, 16, steps=1, warmup=1, device="cpu",
                                 until="sdpa", interleave=False)
     reports = []
     ladder.climb(on_rung=lambda: reports.append(ladder.report()))
@@ -186,18 +186,18 @@ def test_a_failing_race_with_transformers_is_recorded_and_the_ladder_stands(monk
     def out_of_memory(model):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 MiB")
 
-    monkeypatch.setattr(train_bench, "transformers_peer", out_of_memory)
+    monkeypatch.setattr(train_peer, "transformers_peer", out_of_memory)
     report = train_bench.bench_train("gpt-smoke", 2, 16, steps=1, warmup=1, device="cpu", until="fused_adamw")
     assert report["transformers"]["status"] == "error" and report["ratio_vs_transformers"] is None
     assert report["transformers"]["note"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 96.00 MiB"
     assert report["rungs"][0]["status"] == "ok" and report["best_rung"] is not None
-    assert "CUDA out of memory" in train_bench.format_report(report)
+    assert "CUDA out of memory" in train_report.format_report(report)
 
 
 def test_a_failed_rungs_model_is_freed_before_the_next_rung(monkeypatch):
     """On a GPU the next rung needs that memory: an out-of-memory rung that kept its model would fail the rest."""
     built = []
-    warm_up = train_bench.warm_up
+    warm_up = train_ladder.warm_up
 
     def out_of_memory_once(step, n):
         built.append(weakref.ref(step.step.model))
@@ -205,8 +205,8 @@ def test_a_failed_rungs_model_is_freed_before_the_next_rung(monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
         return warm_up(step, n)
 
-    monkeypatch.setattr(train_bench, "warm_up", out_of_memory_once)
-    ladder = train_bench.Ladder(PRESETS["gpt-smoke"], 2, 16, steps=1, warmup=1, device="cpu", until="fused_adamw",
+    monkeypatch.setattr(train_ladder, "warm_up", out_of_memory_once)
+    ladder = train_ladder.Ladder(PRESETS["gpt-smoke"], 2, 16, steps=1, warmup=1, device="cpu", until="fused_adamw",
                                 interleave=False)
     alive = []
     ladder.climb(on_rung=lambda: alive.append(built[0]() is not None))

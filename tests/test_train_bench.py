@@ -12,18 +12,19 @@ import torch.nn.functional as F
 
 from helpers import GPT, GPTConfig
 from helpers.__main__ import main
-from helpers.measure import train_bench
+from helpers.measure import train_ladder
 from helpers.measure.flops import training_step_flops
 from helpers.measure.peer import peer_logits, transformers_peer
-from helpers.measure.train_bench import (
+from helpers.measure.train_bench import bench_train
+from helpers.measure.train_ladder import rung_tokens_per_s
+from helpers.measure.train_report import plot_ladder
+from helpers.measure.train_rungs import (
     LADDER,
     StepSettings,
-    bench_train,
     ladder_step,
     make_batches,
     padded_vocab_model,
     plan_ladder,
-    rung_tokens_per_s,
 )
 from helpers.model.hf_gpt2 import hf_names, is_conv1d
 from helpers.system.device import REFERENCE_DEVICES, detect_capabilities
@@ -292,14 +293,14 @@ def test_bench_train_json_has_the_rungs_and_consistent_numbers(capsys):
 def test_a_rung_lies_within_the_quartiles_it_is_plotted_with(monkeypatch):
     """Two timed steps ten times apart: tokens over the median time falls below the first quartile of tokens/s (the
     plot's error bars were negative and matplotlib refused them); the median of tokens/s does not."""
-    real = train_bench.timed_rounds
+    real = train_ladder.timed_rounds
 
     def uneven_rounds(steps, rounds, device):
         timed = real(steps, rounds, device)
         return {name: ([0.01 * 10**i for i in range(rounds)], losses) for name, (_, losses) in timed.items()}
 
-    monkeypatch.setattr(train_bench, "timed_rounds", uneven_rounds)
-    ladder = train_bench.Ladder(GPTConfig.from_preset("gpt-smoke"), batch=2, ctx=16, steps=2, warmup=1,
+    monkeypatch.setattr(train_ladder, "timed_rounds", uneven_rounds)
+    ladder = train_ladder.Ladder(GPTConfig.from_preset("gpt-smoke"), batch=2, ctx=16, steps=2, warmup=1,
                                 device="cpu", until="sdpa", model_name="gpt-smoke")
     ladder.climb()
     report = ladder.report()
@@ -307,7 +308,7 @@ def test_a_rung_lies_within_the_quartiles_it_is_plotted_with(monkeypatch):
         q1, q3 = r["tokens_per_s_iqr"]
         assert q1 <= r["tokens_per_s"] <= q3 and q1 <= rung_tokens_per_s(r).median <= q3, r["label"]
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * report["flops_per_token"] / report["peak_flops"])
-    train_bench.plot_ladder(report)
+    plot_ladder(report)
 
 
 @pytest.mark.parametrize("kwargs, message", [
