@@ -25,8 +25,18 @@ $(BIN)/python:
 		{ echo "The course needs Python 3.10 or newer: make PYTHON=python3.12 ..."; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
+# On Linux without an NVIDIA driver, torch comes as its CPU build from PyTorch's own index: from PyPI, pip would take
+# the CUDA build there, several GB that such a machine cannot use. Where that index is unreachable (only PyPI is, as in
+# CI), pip takes torch from PyPI with the rest. An environment that already has torch keeps it. CPU_ONLY= turns it off.
+CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
+CPU_ONLY ?= $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+
 $(RUNTIME): $(BIN)/python requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
+ifeq ($(CPU_ONLY),yes)
+	@$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/python -m pip install --quiet torch --index-url \
+		$(CPU_TORCH_INDEX) --timeout 10 --retries 1 || echo "PyTorch's CPU index is unreachable: pip takes torch from PyPI"
+endif
 	$(BIN)/python -m pip install --quiet -r requirements.txt -e .
 	@touch $@
 

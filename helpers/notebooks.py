@@ -379,7 +379,10 @@ RECORDED_SECTIONS = {  # what `python -m helpers record` writes, between these m
               "<!-- end of recorded times -->"),
     "claims": ("RESULTS.md", "<!-- claims: written by `python -m helpers record` -->", "<!-- end of claims -->"),
     "sample": ("README.md", "<!-- sample: written by `python -m helpers record` -->", "<!-- end of sample -->"),
+    "front": ("README.md", "<!-- what you need and the time: written by `python -m helpers record` -->",
+              "<!-- end of what you need -->"),
 }
+READING_WORDS_PER_MINUTE = 200  # a reading speed for technical prose
 SAMPLE_NOTEBOOK = "ch05_training/01_pretraining.ipynb"  # the README shows the last sample of its committed run
 SAMPLE_TAG = "readme-sample"  # its cell that prints the samples, one `step  'text'` line per step
 
@@ -456,11 +459,38 @@ def readme_sample(path: Path, root: Path = ROOT) -> str:
             f"in the committed run of [`{name}`]({name}){recorded}. Your run prints its own.")
 
 
+def front_door(paths: list[Path], root: Path = ROOT) -> str:
+    """What a learner needs and how long the course takes: the core path's and the lessons' recorded minutes (their
+    machine named), and the words of their markdown at READING_WORDS_PER_MINUTE."""
+    import nbformat
+
+    minutes, words, machine = {"core": 0.0, "lessons": 0.0}, {"core": 0, "lessons": 0}, None
+    for path in paths:
+        if is_solutions(path):
+            continue
+        nb = nbformat.read(path, as_version=4)
+        meta = nb.metadata.get("course") or {}
+        machine = machine or (meta.get("machine"), meta.get("threads"))
+        prose = sum(len(cell.source.split()) for cell in nb.cells if cell.cell_type == "markdown")
+        parts = ["lessons", "core"] if path.resolve().relative_to(root).as_posix() in CORE_PATH else ["lessons"]
+        for part in parts:
+            minutes[part] += meta.get("wall_seconds", 0.0) / 60
+            words[part] += prose
+    reading = {part: words[part] / READING_WORDS_PER_MINUTE for part in words}
+    return (f"**You need** Python 3.10 or newer and a little PyTorch (tensors, `nn.Module`, a training step); no GPU. "
+            f"`make lab` sets everything up, with PyTorch's CPU build on a Linux machine without an NVIDIA GPU.\n\n"
+            f"**Time**: the {len(CORE_PATH)} notebooks of the core path compute for {minutes['core']:.0f} minutes and "
+            f"all the lessons for {minutes['lessons']:.0f} (recorded on {machine[0]}, {machine[1]} threads); their "
+            f"prose is {words['core']:,} words on the core path (about {reading['core']:.0f} minutes of reading at "
+            f"{READING_WORDS_PER_MINUTE} words a minute) and {words['lessons']:,} in all (about "
+            f"{reading['lessons'] / 60:.0f} hours).")
+
+
 def recorded_contents(paths: list[Path] | None = None, root: Path = ROOT) -> dict[str, str]:
     """What belongs between each pair of RECORDED_SECTIONS markers, from the notebooks' committed runs."""
     paths = paths or find_notebooks(root)
     return {"times": recorded_times_table(paths, root), "claims": claims_table(paths, root),
-            "sample": readme_sample(root / SAMPLE_NOTEBOOK, root)}
+            "sample": readme_sample(root / SAMPLE_NOTEBOOK, root), "front": front_door(paths, root)}
 
 
 def update_recorded(paths: list[Path] | None = None, root: Path = ROOT) -> list[str]:

@@ -1,5 +1,7 @@
 """Packaging: what the README promises about installing stays true."""
 
+import os
+import platform
 import re
 import subprocess
 import sys
@@ -123,6 +125,30 @@ def test_make_lab_installs_what_the_notebooks_need_and_make_test_adds_the_develo
     lab, test = planned("lab"), planned("test")
     assert "-r requirements.txt -e .\n" in lab and "[dev]" not in lab and "jupyter lab" in lab
     assert "-r requirements.txt -e .\n" in test and '-e ".[dev]"' in test and "pytest" in test
+
+
+@pytest.mark.subprocess
+def test_make_lab_takes_torchs_cpu_build_on_linux_without_an_nvidia_driver(tmp_path):
+    """Without `nvidia-smi` on the PATH (Linux), the environment gets torch from PyTorch's CPU index before the
+    requirements, unless it has torch already; with one, pip's own choice stands."""
+    gpu_bin = tmp_path / "gpu-bin"
+    gpu_bin.mkdir()
+    (gpu_bin / "nvidia-smi").write_text("#!/bin/sh\n")
+    (gpu_bin / "nvidia-smi").chmod(0o755)
+    system_path = os.environ["PATH"].split(os.pathsep)
+    without = os.pathsep.join(p for p in system_path if not (Path(p) / "nvidia-smi").exists())
+
+    def planned(path: str) -> str:
+        done = subprocess.run(["make", "-n", "lab", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "PATH": path})
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    cpu, gpu = planned(without), planned(os.pathsep.join([str(gpu_bin), without]))
+    if platform.system() == "Linux":
+        assert "--index-url" in cpu and "download.pytorch.org/whl/cpu" in cpu and "import torch" in cpu
+        assert cpu.index("whl/cpu") < cpu.index("-r requirements.txt")  # before the requirements take torch
+    assert "--index-url" not in gpu and "-r requirements.txt -e ." in gpu
 
 
 SHARED_FIXTURE_TESTS = '''import os

@@ -88,7 +88,13 @@ def test_recorded_times_claims_and_sample(tmp_path):
     nbformat.write(nb, paths[0])
     core = tmp_path / notebooks.CORE_PATH[1]  # a core notebook's minutes count for `make core` too
     core.parent.mkdir(parents=True)
+    nb.cells.append(nbformat.v4.new_markdown_cell("word " * 400))
     nbformat.write(nb, core)
+    nb.cells.pop()
+    front = notebooks.front_door([core, *paths], root=tmp_path)
+    assert (f"the {len(notebooks.CORE_PATH)} notebooks of the core path compute for 2 minutes and all the lessons for "
+            "3 (recorded on Test CPU, 2 threads); their prose is 400 words on the core path (about 2 minutes of "
+            "reading at 200 words a minute) and 400 in all") in front
     core_times = notebooks.recorded_times_table([core, *paths], root=tmp_path).splitlines()[-4:]
     assert core_times[:2] == ["| core path (`make core`) | 2 | | | | | |", "| lessons (`make course`) | 3 | | | | | |"]
     times = notebooks.recorded_times_table(paths, root=tmp_path)
@@ -102,6 +108,7 @@ def test_recorded_times_claims_and_sample(tmp_path):
     assert claims.splitlines()[2:] == ["| `0.ipynb` | ✓ A beats B: 2.0x |", "| `0.ipynb` | ✗ C / D: 0.9x |"]
     (_, t0, t1), (_, c0, c1) = notebooks.RECORDED_SECTIONS["times"], notebooks.RECORDED_SECTIONS["claims"]
     _, s0, s1 = notebooks.RECORDED_SECTIONS["sample"]
+    _, f0, f1 = notebooks.RECORDED_SECTIONS["front"]
     sample_path = tmp_path / notebooks.SAMPLE_NOTEBOOK
     sample_path.parent.mkdir(parents=True)
     nb = nbformat.read(tiny_notebook(sample_path), as_version=4)
@@ -112,10 +119,11 @@ def test_recorded_times_claims_and_sample(tmp_path):
     sample = notebooks.readme_sample(sample_path, root=tmp_path)
     assert sample.startswith("```text\ndef f(x):\n    return x\n```\n") and "after 20 training steps" in sample
     (tmp_path / "RESULTS.md").write_text(f"intro\n{t0}\nold\n{t1}\nmiddle\n{c0}\n{c1}\nrest\n")
-    (tmp_path / "README.md").write_text(f"top\n{s0}\n{s1}\n")
+    (tmp_path / "README.md").write_text(f"top\n{f0}\n{f1}\n{s0}\n{s1}\n")
     assert notebooks.update_recorded(paths, root=tmp_path) == ["RESULTS.md", "README.md"]
     assert (tmp_path / "RESULTS.md").read_text() == f"intro\n{t0}\n{times}\n{t1}\nmiddle\n{c0}\n{claims}\n{c1}\nrest\n"
-    assert (tmp_path / "README.md").read_text() == f"top\n{s0}\n{sample}\n{s1}\n"
+    front = notebooks.front_door(paths, root=tmp_path)
+    assert (tmp_path / "README.md").read_text() == f"top\n{f0}\n{front}\n{f1}\n{s0}\n{sample}\n{s1}\n"
     assert notebooks.update_recorded(paths, root=tmp_path) == []
     (tmp_path / "RESULTS.md").write_text(f"{t0}\n{t1}\n")
     with pytest.raises(ValueError, match="no claims markers"):
