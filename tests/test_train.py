@@ -1,6 +1,7 @@
 """The training loop: exact gradient accumulation, learning-rate schedules, precision choice, data order and an
 exact resume from an atomic checkpoint."""
 
+import copy
 import math
 import warnings
 
@@ -14,7 +15,7 @@ from helpers.system.device import REFERENCE_DEVICES, UnsupportedDtypeError
 from helpers.system.virtual_device import on_accelerator, virtual_accelerator
 from helpers.training.checkpoint import CheckpointError, checksum_path
 from helpers.training.lr_schedule import learning_rate
-from helpers.training.step import IGNORE_INDEX, accumulate_gradients
+from helpers.training.step import FULL, IGNORE_INDEX, ChunkedLoss, DistillationLoss, FullLoss, accumulate_gradients
 from helpers.training.trainer import ShuffledBatches, TrainConfig, Trainer, resolve_precision
 
 TINY = GPTConfig(vocab_size=97, context_length=16, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
@@ -180,12 +181,12 @@ def test_each_epoch_visits_every_window_once_and_the_position_restores():
 # ---------------------------------------------------------------- the loop and exact resume
 
 
-def make_trainer(tmp_path, precision="float32", seed=0, dropout=0.1, **overrides):
+def make_trainer(tmp_path, precision="float32", seed=0, dropout=0.1, loss=FULL, **overrides):
     config = TrainConfig(**{"steps": 6, "batch_size": 4, "grad_accum_steps": 2, "lr": 3e-3, "min_lr": 3e-4,
                             "warmup_steps": 2, "eval_interval": 3, "eval_batches": 2, "precision": precision,
                             "checkpoint_path": str(tmp_path / "ckpt.pt"), "device": "cpu", "seed": 0} | overrides)
     ids = token_stream()
-    return Trainer(tiny_gpt(seed, dropout), ids[:1600], ids[1600:], config)
+    return Trainer(tiny_gpt(seed, dropout), ids[:1600], ids[1600:], config, loss=loss)
 
 
 @pytest.mark.parametrize("precision", ["float32", "float16"])  # float16: the GradScaler's state is resumed too
@@ -383,3 +384,43 @@ def test_a_step_the_scaler_skips_does_not_advance_the_schedule(tmp_path):
     assert trainer.scheduler.last_epoch == 1
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(learning_rate(1, c.lr, c.steps, c.warmup_steps,
                                                                                   c.min_lr, c.schedule))
+
+
+# ---- the loss the Trainer takes ----
+
+
+def test_the_trainer_minimises_the_loss_it_is_given_a_teachers_distribution(tmp_path):
+    """One step's loss is the KL from the teacher to the model, averaged over every target token of the step's
+    micro-batches (float64 reference on the same batches); a few steps bring the model's distribution closer."""
+    teacher = tiny_gpt(seed=1).eval()
+    trainer = make_trainer(tmp_path, dropout=0.0, loss=DistillationLoss(teacher), steps=8, warmup_steps=0)
+    batches = copy.deepcopy(trainer.batches)
+    micro = [batches.next() for _ in range(trainer.config.grad_accum_steps)]
+    student64, teacher64 = copy.deepcopy(trainer.model).double(), copy.deepcopy(teacher).double()
+
+    def mean_kl(student):
+        with torch.no_grad():
+            kls = [F.kl_div(F.log_softmax(student(x), -1), F.log_softmax(teacher64(x), -1), log_target=True,
+                            reduction="none").sum(-1) for x, _ in micro]
+        return torch.cat([k.flatten() for k in kls]).mean().item()
+
+    before = mean_kl(student64)
+    assert trainer.train_step()["loss"] == pytest.approx(before, rel=1e-5)
+    for _ in range(7):
+        trainer.train_step()
+    assert mean_kl(copy.deepcopy(trainer.model).double()) < 0.8 * before
+
+
+def test_a_chunked_loss_trains_as_the_full_one(tmp_path):
+    full = make_trainer(tmp_path, dropout=0.0)
+    chunked = make_trainer(tmp_path, dropout=0.0, loss=ChunkedLoss(24))
+    for _ in range(3):
+        assert chunked.train_step()["loss"] == pytest.approx(full.train_step()["loss"], rel=1e-5)
+
+
+def test_reuse_tells_runs_apart_by_their_loss_and_refuses_one_it_cannot_name(tmp_path):
+    default = make_trainer(tmp_path).run_key()
+    assert make_trainer(tmp_path, loss=FullLoss()).run_key() == default  # earlier runs keep their keys
+    assert make_trainer(tmp_path, loss=ChunkedLoss(24)).run_key() != default
+    with pytest.raises(ValueError, match="train it with fit"):
+        make_trainer(tmp_path, loss=DistillationLoss(tiny_gpt(seed=1))).run_key()

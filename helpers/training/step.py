@@ -8,6 +8,16 @@ the memory probes and the distributed scripts.
   of a short micro-batch more than one of a long one (the bug fixed in transformers' Trainer in 2024).
 * Mixed precision: the forward under `torch.autocast`; fp16 also scales the loss with a `torch.amp.GradScaler`,
   whose gradients are unscaled before clipping, and whose step is skipped when they overflow.
+
+Writing a loss. A step takes any callable `loss(model, x, y)` that returns one micro-batch's loss *summed* over its
+target tokens (the positions where `y != IGNORE_INDEX`); the step divides by the target tokens of all its
+micro-batches. `FullLoss` and `ChunkedLoss` are next-token cross-entropy; `DistillationLoss` learns a teacher's
+whole distribution. The usual others are a few lines each:
+- a masked loss (instruction tuning: learn the answers, not the prompts): no new loss, set the prompt's targets to
+  IGNORE_INDEX and `FullLoss` skips them;
+- a loss plus an auxiliary term (a router's balancing loss): return `base(model, x, y) + weight * aux * n`, where `n`
+  is the micro-batch's target tokens, so that the step's division leaves `weight * aux` per token.
+The `Trainer` takes the same `loss=`.
 """
 
 from __future__ import annotations
@@ -82,6 +92,9 @@ class StepResult:
     stepped: bool = True  # False when the GradScaler skipped the update (fp16 gradients held inf or NaN)
 
 
+Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # (model, x, y) -> summed token loss
+
+
 @dataclass(frozen=True)
 class FullLoss:
     """The loss over logits computed whole: the model's forward pass, then `token_loss_sum`. forward: (model, token
@@ -112,6 +125,32 @@ class ChunkedLoss:
         return model.loss_sum(x, y, self.chunk, self.vocab_size)
 
 
+@dataclass(frozen=True, eq=False)
+class DistillationLoss:
+    """KL(p || q) from the teacher's next-token distribution p to the model's q at every target position, summed (as
+    `token_loss_sum` sums cross-entropy): the model learns the teacher's whole distribution, not only the text's
+    next token (knowledge distillation, Hinton et al. 2015). The teacher runs in eval mode without gradients; both
+    distributions are computed in float32 at least. Not reused by `Trainer.fit_or_reuse` (it cannot tell two
+    teachers apart)."""
+
+    teacher: nn.Module
+
+    def __call__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        was_training = self.teacher.training
+        with torch.no_grad():
+            target = self.teacher.eval()(x)
+        self.teacher.train(was_training)
+        logits = model(x)
+        if logits.shape != target.shape:
+            raise ValueError(f"the model's logits {tuple(logits.shape)} and the teacher's {tuple(target.shape)} "
+                             "differ: distill between models with the same vocabulary")
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        log_p = F.log_softmax(target.to(dtype), dim=-1)
+        log_q = F.log_softmax(logits.to(dtype), dim=-1)
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+        return kl[y != IGNORE_INDEX].sum()
+
+
 FULL = FullLoss()  # the default: the model's logits whole, every one a class
 
 
@@ -124,12 +163,13 @@ class TrainingStep:
     """One optimizer step of `model`: its micro-batches forward and backward (`accumulate_gradients`), gradient
     clipping, then `optimizer` (through a GradScaler when `autocast` is fp16). A failed step leaves no gradients.
 
-    loss: how a micro-batch's summed loss is computed (FullLoss or ChunkedLoss). autocast: the forward's autocast
+    loss: how a micro-batch's summed loss is computed (FullLoss, ChunkedLoss, DistillationLoss, or your own: see the
+    module's docstring). autocast: the forward's autocast
     dtype, None for plain fp32. grad_clip: max global gradient norm (None: no clipping); measure_grad_norm: compute
     the norm even without clipping. compile: `torch.compile` the forward and loss.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: FullLoss | ChunkedLoss = FULL,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Loss = FULL,
                  autocast: torch.dtype | None = None, grad_clip: float | None = None, measure_grad_norm: bool = False,
                  compile: bool = False) -> None:
         if grad_clip is not None and not grad_clip > 0:

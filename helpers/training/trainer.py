@@ -28,7 +28,7 @@ from ..text.data import NextTokenDataset
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .lr_schedule import check_schedule, learning_rate
 from .precision import check_precision_name, resolve_precision
-from .step import IGNORE_INDEX, TrainingStep, token_loss_sum
+from .step import FULL, IGNORE_INDEX, ChunkedLoss, FullLoss, Loss, TrainingStep, token_loss_sum
 
 SAMPLE_SAMPLING = Sampling(temperature=0.8, top_k=40)  # the samples shown during training
 
@@ -151,7 +151,11 @@ def make_optimizer(model: nn.Module, config: TrainConfig, fused: bool | None = N
 
 class Trainer:
     """Trains a `helpers.GPT` on a token stream; `fit()` runs to `config.steps` (or fewer), `save()`/`load()`
-    checkpoint and resume, `history` holds the curves and samples."""
+    checkpoint and resume, `history` holds the curves and samples.
+
+    loss: what each step minimises (`helpers.training.step`: next-token cross-entropy `FULL` by default, computed
+    whole or `ChunkedLoss`; `DistillationLoss` from a teacher; or your own, as that module says). Validation
+    (`evaluate`) stays next-token cross-entropy, the figure every run is compared by."""
 
     @property
     def scaler(self) -> torch.amp.GradScaler:
@@ -164,7 +168,7 @@ class Trainer:
         self.training_step.scaler = scaler
 
     def __init__(self, model: nn.Module, train_ids: torch.Tensor, val_ids: torch.Tensor | None, config: TrainConfig,
-                 tokenizer=None, fused_adamw: bool | None = None) -> None:
+                 tokenizer=None, fused_adamw: bool | None = None, loss: Loss = FULL) -> None:
         self.config = config
         self.device = torch.device(config.device or default_device_type())
         self.precision = resolve_precision(config.precision, detect_capabilities(self.device.type))
@@ -173,7 +177,8 @@ class Trainer:
         self.tokenizer = tokenizer
         self.optimizer = make_optimizer(self.model, config, fused=fused_adamw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.training_step = TrainingStep(self.model, self.optimizer, autocast=self.precision.dtype,
+        self.loss = loss
+        self.training_step = TrainingStep(self.model, self.optimizer, loss=loss, autocast=self.precision.dtype,
                                           grad_clip=config.grad_clip, measure_grad_norm=True)
         self.batches = ShuffledBatches(train_ids, config.batch_size, self.context_length, config.seed)
         self.val = None if val_ids is None else evaluation_windows(
@@ -285,6 +290,12 @@ class Trainer:
         what = dict(model=asdict(self.model.config), weights=weights.hexdigest(), recipe=recipe,
                     precision=self.precision.name, tokens=self.batches.tokens_sha256, device=self.device.type,
                     torch=torch.__version__, threads=torch.get_num_threads())
+        if self.loss != FULL:  # (the default leaves the keys of earlier runs as they were)
+            if not isinstance(self.loss, FullLoss | ChunkedLoss):
+                raise ValueError(f"a run trained with {type(self.loss).__name__} cannot be matched to an earlier one "
+                                 "by its settings (what else it holds, a teacher's weights, would have to be hashed "
+                                 "too): train it with fit()")
+            what["loss"] = repr(self.loss)
         return hashlib.sha256(repr(sorted(what.items())).encode()).hexdigest()[:16]
 
     def run_path(self, name: str, directory: str | Path | None = None) -> Path:
