@@ -389,7 +389,11 @@ def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving(se
             error = response.json()["error"]
             assert error["param"] == param and error["message"], (what, error)
         assert http.get("/health").json()["status"] == "ok"
+        for i in range(3):  # paths that do not exist: one series for them all in /metrics
+            assert http.get(f"/no-such-path-{i}").status_code == 404
     assert client.completions.create(model="tiny", prompt="a", max_tokens=2).usage.completion_tokens == 2
+    assert metric(server, 'course_requests_total{endpoint="other",status="404"}') >= 3
+    assert "no-such-path" not in httpx.get(server.url + "/metrics", timeout=30).text
 
 
 def metric(server, name):
@@ -556,3 +560,31 @@ def test_a_race_interleaves_the_contenders_and_reports_medians(folder, tmp_path)
     first = [r["tokens_per_s"] for r in (results["course"][0][0], results["course"][1][0])]
     assert table["course"][0]["tokens_per_s"] == pytest.approx(sum(first) / 2)
     assert "course-static" in format_race(table)
+
+
+def test_a_gpt2_folder_is_served_with_gpt2s_tokenizer(tmp_path):
+    """GPT-2's own tokenizer (tiktoken) travels with a GPT-2-vocabulary model: the folder loads it back, a client's
+    text is encoded as GPT-2 encodes it, and a greedy completion is generate_with_cache's, decoded by GPT-2."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=get_tokenizer().n_vocab, context_length=32, d_model=16, n_heads=2, n_layers=1,
+                       dropout=0.0)
+    served = load_for_serving(export_for_serving(GPT(config), get_tokenizer(), tmp_path / "gpt2-tiny"),
+                              dtype=torch.float64)
+    assert served.tokenizer is get_tokenizer() and served.eos_id == 50256
+    prompt = "Hello, naïve world"
+    assert served.encode(prompt) == get_tokenizer().encode(prompt)
+    expected = text_of(served, reference(served, served.encode(prompt), 8))
+
+    async def scenario():
+        loop = EngineLoop(Engine(served.model, max_batch=2), max_waiting=2).start()
+        try:
+            transport = httpx.ASGITransport(app=create_app(served, loop))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                body = {"model": "gpt2-tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+                return (await client.post("/v1/completions", json=body)).json()
+        finally:
+            loop.stop(30)
+
+    answer = asyncio.run(scenario())
+    assert answer["choices"][0]["text"] == expected
+    assert answer["usage"]["prompt_tokens"] == len(get_tokenizer().encode(prompt))

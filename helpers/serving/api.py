@@ -160,16 +160,22 @@ def create_app(served: ServedModel, loop: EngineLoop, *, api_key: str | None = N
     app = FastAPI(title="GPT from scratch, fast", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
+    def endpoint(request: Request) -> str:
+        """The path, for the routes this app has; "other" for any other, so that a client trying paths cannot add
+        series to /metrics without end."""
+        path = request.url.path
+        return path if any(route.path == path for route in app.routes) else "other"
+
     @app.middleware("http")
     async def authorize_and_count(request: Request, call_next):
         if api_key is not None and request.url.path.startswith("/v1/"):
             if request.headers.get("authorization") != f"Bearer {api_key}":
                 response = APIError(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
                                     kind="authentication_error", code="invalid_api_key").response()
-                metrics.requests.labels(request.url.path, "401").inc()
+                metrics.requests.labels(endpoint(request), "401").inc()
                 return response
         response = await call_next(request)
-        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        metrics.requests.labels(endpoint(request), str(response.status_code)).inc()
         return response
 
     @app.exception_handler(APIError)
