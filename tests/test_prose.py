@@ -103,3 +103,33 @@ def test_every_constant_is_still_in_its_notebook():
     for name, constants in CONSTANTS.items():
         text = "\n".join(c.source for c in nbformat.read(ROOT / name, as_version=4).cells if c.cell_type == "markdown")
         assert all(figure in text for figure in constants), f"{name}: drop the constants its prose no longer states"
+
+
+def undiscussed_failures(nb) -> list[str]:
+    """The claims (`helpers.measure.claims`) that did not hold in a notebook's saved run, when its markdown never
+    speaks of one (no ✗ in any markdown cell): a reader sees the ✗ and no word on what it means."""
+    from helpers.measure.claims import claims_in_text
+
+    printed = "\n".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", [])
+                        if out.get("output_type") == "stream")
+    failed = [line for held, line in claims_in_text(printed) if not held]
+    discussed = any("✗" in cell.source for cell in nb.cells if cell.cell_type == "markdown")
+    return [] if discussed else failed
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_a_claim_that_did_not_hold_is_discussed_in_the_prose(path):
+    failed = undiscussed_failures(nbformat.read(path, as_version=4))
+    assert not failed, f"{path.name} shows {failed} and its prose never says what a ✗ there means"
+
+
+def test_an_undiscussed_failed_claim_is_found():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("The check below compares A and B."),
+                nbformat.v4.new_code_cell("claim(...)")]
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", name="stdout", text="✓ A runs: 1.0x\n"),
+                           nbformat.v4.new_output("stream", name="stderr",
+                                                  text="✗ A beats B: 0.9x  <- does not hold on this machine\n")]
+    assert undiscussed_failures(nb) == ["✗ A beats B: 0.9x"]
+    nb.cells[0].source += " A ✗ there means the roof was measured low."
+    assert undiscussed_failures(nb) == []
