@@ -476,14 +476,15 @@ def front_door(paths: list[Path], root: Path = ROOT) -> str:
         for part in parts:
             minutes[part] += meta.get("wall_seconds", 0.0) / 60
             words[part] += prose
+    # rounded (words to the thousand, reading to 5 minutes), so that an edited sentence leaves the section as it is
     reading = {part: words[part] / READING_WORDS_PER_MINUTE for part in words}
     return (f"**You need** Python 3.10 or newer and a little PyTorch (tensors, `nn.Module`, a training step); no GPU. "
             f"`make lab` sets everything up, with PyTorch's CPU build on a Linux machine without an NVIDIA GPU.\n\n"
             f"**Time**: the {len(CORE_PATH)} notebooks of the core path compute for {minutes['core']:.0f} minutes and "
             f"all the lessons for {minutes['lessons']:.0f} (recorded on {machine[0]}, {machine[1]} threads); their "
-            f"prose is {words['core']:,} words on the core path (about {reading['core']:.0f} minutes of reading at "
-            f"{READING_WORDS_PER_MINUTE} words a minute) and {words['lessons']:,} in all (about "
-            f"{reading['lessons'] / 60:.0f} hours).")
+            f"prose is about {round(words['core'], -3):,} words on the core path (about "
+            f"{5 * round(reading['core'] / 5)} minutes of reading at {READING_WORDS_PER_MINUTE} words a minute) and "
+            f"{round(words['lessons'], -3):,} in all (about {reading['lessons'] / 60:.0f} hours).")
 
 
 def recorded_contents(paths: list[Path] | None = None, root: Path = ROOT) -> dict[str, str]:

@@ -88,13 +88,13 @@ def test_recorded_times_claims_and_sample(tmp_path):
     nbformat.write(nb, paths[0])
     core = tmp_path / notebooks.CORE_PATH[1]  # a core notebook's minutes count for `make core` too
     core.parent.mkdir(parents=True)
-    nb.cells.append(nbformat.v4.new_markdown_cell("word " * 400))
+    nb.cells.append(nbformat.v4.new_markdown_cell("word " * 2600))
     nbformat.write(nb, core)
     nb.cells.pop()
     front = notebooks.front_door([core, *paths], root=tmp_path)
     assert (f"the {len(notebooks.CORE_PATH)} notebooks of the core path compute for 2 minutes and all the lessons for "
-            "3 (recorded on Test CPU, 2 threads); their prose is 400 words on the core path (about 2 minutes of "
-            "reading at 200 words a minute) and 400 in all") in front
+            "3 (recorded on Test CPU, 2 threads); their prose is about 3,000 words on the core path (about 15 "
+            "minutes of reading at 200 words a minute) and 3,000 in all") in front
     core_times = notebooks.recorded_times_table([core, *paths], root=tmp_path).splitlines()[-4:]
     assert core_times[:2] == ["| core path (`make core`) | 2 | | | | | |", "| lessons (`make course`) | 3 | | | | | |"]
     times = notebooks.recorded_times_table(paths, root=tmp_path)
