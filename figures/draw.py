@@ -275,15 +275,14 @@ def next_token_windows():
         _arrow(ax, (x0 + i * w + 0.6, 4.72), (x0 + (i + 1) * w + 0.35, 4.53), color=ORANGE)
     ax.text(x0 + (t + 1) * w + 0.3, 4.55, "input x = t0..t3, target y = t1..t4: position i predicts token i + 1,\n"
             "so one window holds T predictions", fontsize=8, va="center")
-    for row, (stride, color, label) in enumerate(((t, BLUE, "stride T = 4"), (t // 2, GREEN, "stride T/2 = 2"))):
-        y = 2.4 - row * 1.5
-        ax.text(0.1, y + 0.2, label, fontsize=9, va="center")
+    for stride, color, label, top in ((t, BLUE, "stride T = 4", 2.75), (t // 2, GREEN, "stride T/2 = 2", 2.0)):
+        ax.text(0.1, top + 0.17, label, fontsize=9, va="center")
         for k, start in enumerate(range(0, n - t, stride)):
-            level = y + (0.45 if k % 2 else 0.0) * (stride < t)
+            level = top - 0.45 * k * (stride < t)  # overlapping windows one row each, window 0 on top
             ax.add_patch(Rectangle((x0 + start * w, level), t * w - 0.15, 0.35, facecolor=color, alpha=0.55,
                                    edgecolor="black"))
             ax.text(x0 + start * w + 0.1, level + 0.17, f"window {k}", fontsize=7, va="center")
-    ax.text(x0 + n * w + 0.3, 1.75, "T/2: twice the windows,\neach token read at two\npositions", fontsize=8,
+    ax.text(x0 + n * w + 0.3, 1.55, "T/2: twice the windows,\neach token read at two\npositions", fontsize=8,
             va="center")
     return fig
 
