@@ -2,6 +2,7 @@
 block tables vs contiguous attention in float64, and every engine's tokens vs `GPT.generate` greedy in float64
 (batched float32 kernels round differently from single-sequence ones, so float64 makes the comparison exact)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -427,3 +428,20 @@ def test_generated_shows_a_requests_tokens_as_they_come(model64, requests_and_re
     assert seen == [reference[requests[0].request_id][:n] for n in range(1, len(seen) + 1)]
     assert len(seen) == len(reference[requests[0].request_id]) - 1  # the last token arrives with the completion
     assert done[0].tokens == reference[requests[0].request_id]
+
+
+def test_a_static_batch_whose_last_unfinished_row_is_aborted_lets_its_finished_rows_go(model64, requests_and_reference):
+    """The finished rows of a static batch wait as padding for its longest request; when a client takes that one away,
+    they complete at the next step (there is nothing left to compute) instead of an iteration with no work."""
+    requests, reference = requests_and_reference
+    short, long_ = (dataclasses.replace(requests[0], request_id="short", max_tokens=2),
+                    dataclasses.replace(requests[1], request_id="long", max_tokens=12))
+    engine = Engine(model64, max_batch=2, block_size=4, scheduling="static")
+    engine.submit(short)
+    engine.submit(long_)
+    while not any(s.finish_reason for s in engine.scheduler.running):
+        assert engine.step() == []
+    assert engine.abort("long")
+    done = engine.step()
+    assert [c.request_id for c in done] == ["short"] and done[0].tokens == reference[requests[0].request_id][:2]
+    assert engine.last_iteration is None and not engine.has_work and engine.cache.allocator.num_used == 0

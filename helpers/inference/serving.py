@@ -269,10 +269,15 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Completion]:
         """Schedule, run one forward pass, append a token to each sequence whose chunk reached its end.
-        Returns the requests that completed in this iteration; `last_iteration` describes it. A request's tokens so
-        far are `generated(request_id)` until it completes."""
+        Returns the requests that completed in this iteration; `last_iteration` describes it (None when no pass ran:
+        a static batch's finished rows leaving after its last unfinished one was aborted). A request's tokens so far
+        are `generated(request_id)` until it completes."""
         if self._start is None:
             self._start = time.perf_counter()
+        if self.scheduler.running and all(s.finish_reason is not None for s in self.scheduler.running):
+            # a static batch whose last unfinished row was aborted: its finished rows leave without another pass
+            self.last_iteration = None  # no pass ran
+            return self._complete(self.scheduler.retire(), time.perf_counter())
         plan, preempted = self.scheduler.schedule()
         plan.sort(key=lambda chunk: chunk.length > 1)  # one-token chunks first: their attention is one batched call
         if not plan:
@@ -310,8 +315,11 @@ class Engine:
         self.last_iteration = IterationStats(
             end_s=now - self._start, batch=batch, used_slots=sum(s.num_computed for s in live),
             allocated_slots=self.cache.allocated_slots, waiting=len(self.scheduler.waiting), preempted=preempted)
+        return self._complete(self.scheduler.retire(), now)
+
+    def _complete(self, retired: list[SequenceState], now: float) -> list[Completion]:
         completions = []
-        for seq in self.scheduler.retire():
+        for seq in retired:
             del self._live[seq.request.request_id]
             completions.append(Completion(seq.request.request_id, len(seq.request.prompt), seq.generated,
                                           seq.finish_reason, seq.first_token - seq.submitted, now - seq.submitted,
@@ -333,8 +341,9 @@ class Engine:
         return tokens
 
     def run(self) -> ServingRun:
-        """Step until every submitted request is complete. Returns their completions (in submission order), the
-        iterations run and their wall time."""
+        """Step until every submitted request is complete. Returns the completions of the requests live when it was
+        called (in submission order; those that completed in earlier `step` calls were returned by those), the
+        iterations run and their wall time, measured from the first of them."""
         if not self._live:
             raise RuntimeError("nothing to run: submit requests first")
         order = {rid: seq.number for rid, seq in self._live.items()}
@@ -342,7 +351,8 @@ class Engine:
         self._start = None
         while self.has_work:
             completions += self.step()
-            iterations.append(self.last_iteration)
+            if self.last_iteration is not None:
+                iterations.append(self.last_iteration)
         wall = time.perf_counter() - self._start
         return ServingRun(sorted(completions, key=lambda c: order[c.request_id]), iterations, wall)
 

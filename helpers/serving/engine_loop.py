@@ -168,5 +168,6 @@ class EngineLoop:
         return EngineStats(
             running=len(scheduler.running), waiting=len(scheduler.waiting), blocks_used=allocator.num_used,
             blocks_free=allocator.num_free, iterations=self.stats.iterations + 1,
-            prefill_tokens=self.stats.prefill_tokens + sum(n for _, n, kind in last.batch if kind == "prefill"),
+            prefill_tokens=self.stats.prefill_tokens + (0 if last is None else
+                                                        sum(n for _, n, kind in last.batch if kind == "prefill")),
             cached_tokens=self.stats.cached_tokens + sum(c.cached_tokens for c in completions))
