@@ -5,9 +5,9 @@ For each concurrency c, c clients send requests back to back (a closed loop) unt
 level's time is up. Each request streams `/v1/completions` greedily (temperature 0, so two servers of the same
 weights do the same work) and the client notes:
 - TTFT, time to first token: from sending the request to the first event that carries text;
-- ITL, inter-token latency: per request, the time from its first to its last text event over the tokens in between
-  ((last - first) / (tokens - 1), the usual "time per output token"), so servers that put several tokens in one
-  event are measured alike;
+- ITL, inter-token latency: per request, the time from its first to its last text event over the tokens after the
+  first ((last - first) / (tokens - 1), the usual "time per output token", with the tokens the server's usage
+  reports, an end-of-text token included), so servers that put several tokens in one event are measured alike;
 - output tokens/s and requests/s over the level's wall time, and the requests that failed.
 
 Traffic goes only to a loopback address, is bounded in requests and seconds, and stops by itself.
@@ -113,8 +113,8 @@ async def one_request(client, url: str, model: str, request: LoadRequest) -> Req
 
 async def run_level(url: str, model: str, requests: list[LoadRequest], concurrency: int,
                     max_seconds: float) -> tuple[list[RequestResult], float]:
-    """c clients send the requests back to back; none starts after `max_seconds`, and one still running at
-    `max_seconds` + its own timeout is an error. Returns the results and the wall time."""
+    """c clients send the requests back to back; none starts after `max_seconds`, and a request that waits more
+    than `max_seconds` for its next bytes is an error. Returns the results and the wall time."""
     import httpx
 
     queue = list(reversed(requests))

@@ -7,7 +7,9 @@ The contenders serve the same folder (the course's export is also the Hugging Fa
 
 All start once, then take turns: for each round and each concurrency, every contender in turn (the order rotates
 by round) gets the same seeded load from `helpers.measure.load_test` while the others are paused (SIGSTOP: an idle
-`transformers serve` keeps a core busy polling). Each figure is the median over the rounds, with its range.
+`transformers serve` keeps a core busy polling). Each round and level draws new prompts (a seed of its own, the same
+for every contender), so a prefix cache cannot serve a level from the prompts of the one before. Each figure is the
+median over the rounds, with its range.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def race(folder: str | os.PathLike, contenders: list[str], concurrencies: list[i
     """{contender: [round][level] summary}, runs interleaved as the module says. Each server's output goes to
     LOG_DIR/NAME.log (default: a temporary folder)."""
     folder = Path(folder)
-    requests = fitting_workload(folder, n_requests, seed)
+    requests = {(r, c): fitting_workload(folder, n_requests, seed + 1000 * r + i)
+                for r in range(rounds) for i, c in enumerate(concurrencies)}
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="serve-race-"))
     servers: dict[str, tuple[ServerProcess, str]] = {}
     try:
@@ -85,7 +88,7 @@ def race(folder: str | os.PathLike, contenders: list[str], concurrencies: list[i
                     server, model = servers[name]
                     server.resume()
                     try:
-                        row = load_test(server.url, [c], requests, max_seconds, model)[0]
+                        row = load_test(server.url, [c], requests[r, c], max_seconds, model)[0]
                     finally:
                         server.pause()
                     results[name][r].append(row)

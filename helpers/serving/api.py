@@ -10,13 +10,14 @@ ignored.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from importlib import resources
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,14 +27,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from ..inference.scheduler import Request as EngineRequest
-from ..model.decoding import ContextExceeded, Sampling, check_context
+from ..model.decoding import ContextExceeded, Sampling, cached_positions, check_context
 from ..text.tokenizer_files import token_bytes
 from .checkpoint import ServedModel
-from .engine_loop import EngineLoop, QueueFull, Update
+from .engine_loop import EngineLoop, EngineStopped, QueueFull, Update
 from .metrics import ServerMetrics
 from .text_stream import TextStream
 
 FINISH_REASONS = {"eos": "stop", "length": "length"}  # the engine's words -> OpenAI's
+T = TypeVar("T")
 UNSUPPORTED = {"echo": False, "logprobs": None, "top_logprobs": None, "best_of": 1, "suffix": None,
                "logit_bias": None, "tools": None, "functions": None, "response_format": None}
 
@@ -114,6 +116,13 @@ class ChatRequest(Generation):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
 
 
+class BodyTooLarge(HTTPException):
+    """Raised while a body is read: FastAPI passes an HTTPException through (it turns other errors into 400)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"the request body is over {max_bytes} bytes, the most this server reads")
+
+
 class BodyLimit:
     """ASGI middleware: a request body over `max_bytes` gets 413 before it is read whole (declared or streamed)."""
 
@@ -135,13 +144,73 @@ class BodyLimit:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
-                raise APIError(413, "body too large", code="body_too_large")
+                raise BodyTooLarge(self.max_bytes)
             return message
 
+        await self.app(scope, limited, send)
+
+
+class AbortingStream(StreamingResponse):
+    """A streamed response that aborts its request however it ends: finished (a no-op then), failed, or cancelled
+    when the client went away, wherever the cancellation lands."""
+
+    def __init__(self, abort: Callable[[], None], *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.abort = abort
+
+    async def __call__(self, scope, receive, send) -> None:
         try:
-            await self.app(scope, limited, send)
-        except APIError:
-            await too_big(scope, receive, send)
+            await super().__call__(scope, receive, send)
+        finally:
+            self.abort()
+
+
+class AuthorizeAndCount:
+    """ASGI middleware: /v1/ requests without `Authorization: Bearer API_KEY` get 401 (when a key is set), and every
+    response is counted by `count(path, status)`. Plain ASGI, so the app below sees the client's own `receive`
+    (a disconnect shows at once) and streams pass through untouched."""
+
+    def __init__(self, app, api_key: str | None, count: Callable[[str, int], None]) -> None:
+        self.app, self.api_key, self.count = app, api_key, count
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if self.api_key is not None and path.startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if given != f"Bearer {self.api_key}":
+                self.count(path, 401)
+                return await APIError(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
+                                      kind="authentication_error", code="invalid_api_key").response()(
+                    scope, receive, send)
+        status = []
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        finally:
+            self.count(path, status[0] if status else 500)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: float = 0.1) -> T | None:
+    """`work`'s result, or None (and `work` cancelled) once the client has disconnected."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=poll_s)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
+        return task.result()
+    finally:
+        task.cancel()
 
 
 def create_app(served: ServedModel, loop: EngineLoop, *, api_key: str | None = None,
@@ -155,28 +224,18 @@ def create_app(served: ServedModel, loop: EngineLoop, *, api_key: str | None = N
         if not loop.alive:
             loop.start()
         yield
-        loop.stop(timeout=30)
+        await asyncio.to_thread(loop.stop, 30)
 
     app = FastAPI(title="GPT from scratch, fast", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
-    def endpoint(request: Request) -> str:
+    def endpoint(path: str) -> str:
         """The path, for the routes this app has; "other" for any other, so that a client trying paths cannot add
         series to /metrics without end."""
-        path = request.url.path
         return path if any(route.path == path for route in app.routes) else "other"
 
-    @app.middleware("http")
-    async def authorize_and_count(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                response = APIError(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
-                                    kind="authentication_error", code="invalid_api_key").response()
-                metrics.requests.labels(endpoint(request), "401").inc()
-                return response
-        response = await call_next(request)
-        metrics.requests.labels(endpoint(request), str(response.status_code)).inc()
-        return response
+    app.add_middleware(AuthorizeAndCount, api_key=api_key, count=lambda path, status: metrics.requests.labels(
+        endpoint(path), str(status)).inc())
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
@@ -195,7 +254,8 @@ def create_app(served: ServedModel, loop: EngineLoop, *, api_key: str | None = N
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException):
-        return APIError(err.status_code, str(err.detail), kind="invalid_request_error").response()
+        code = "body_too_large" if isinstance(err, BodyTooLarge) else None
+        return APIError(err.status_code, str(err.detail), kind="invalid_request_error", code=code).response()
 
     def check_model(name: str) -> None:
         if name != served.name:
@@ -219,6 +279,13 @@ def create_app(served: ServedModel, loop: EngineLoop, *, api_key: str | None = N
                                 f"positions but this model's context is {ctx}; set max_tokens to "
                                 f"{ctx - len(prompt) + 1} or less", "max_tokens",
                            code="context_length_exceeded") from None
+        if body.seed is not None and not -(2**63) <= body.seed < 2**64:
+            raise APIError(400, f"seed must be in [-2**63, 2**64), got {body.seed}", "seed")
+        blocks, cache = loop.engine.cache.blocks_for(cached_positions(len(prompt), max_tokens)), loop.engine.cache
+        if blocks > cache.num_blocks:
+            raise APIError(400, f"this request needs {blocks} KV blocks of {cache.block_size} tokens but the server's "
+                                f"cache has {cache.num_blocks}; lower max_tokens (or start the server with more "
+                                "--num-blocks)", "max_tokens")
         sampling = body.sampling(vocab)
         rid = f"cmpl-{uuid.uuid4().hex}"
         event_loop = asyncio.get_running_loop()
@@ -227,6 +294,8 @@ def create_app(served: ServedModel, loop: EngineLoop, *, api_key: str | None = N
             loop.submit(request, lambda update: event_loop.call_soon_threadsafe(queue.put_nowait, update))
         except QueueFull as err:
             raise APIError(429, f"{err}; retry later", kind="rate_limit_error", code="queue_full") from None
+        except EngineStopped as err:
+            raise APIError(503, str(err), kind="server_error") from None
         metrics.prompt_tokens.inc(len(prompt))
         return rid
 
@@ -251,13 +320,16 @@ def create_app(served: ServedModel, loop: EngineLoop, *, api_key: str | None = N
                 if update.error is not None:
                     ended = True
                     raise APIError(500, update.error, kind="server_error")
+                if update.finish_reason == "abort":  # the loop stopped under the request
+                    ended = True
+                    raise APIError(503, "the server is shutting down; retry elsewhere", kind="server_error")
                 if text.stopped:
                     ended = update.finish_reason is not None
                     yield piece, "stop"
                     return
                 if update.finish_reason is not None:
                     ended = True
-                    yield piece + text.finish(), FINISH_REASONS.get(update.finish_reason, update.finish_reason)
+                    yield piece + text.finish(), FINISH_REASONS[update.finish_reason]
                     return
                 if piece:
                     yield piece, None
@@ -269,7 +341,8 @@ def create_app(served: ServedModel, loop: EngineLoop, *, api_key: str | None = N
         return {"prompt_tokens": len(prompt), "completion_tokens": count[0],
                 "total_tokens": len(prompt) + count[0]}
 
-    async def respond(body: Generation, prompt: list[int], prompt_param: str, max_tokens: int | None, chat: bool):
+    async def respond(request: Request, body: Generation, prompt: list[int], prompt_param: str,
+                      max_tokens: int | None, chat: bool):
         body.check_supported()
         check_model(body.model)
         queue: asyncio.Queue = asyncio.Queue()
@@ -279,45 +352,61 @@ def create_app(served: ServedModel, loop: EngineLoop, *, api_key: str | None = N
         stream = pieces(rid, body.stops, queue, arrival, count)
         kind = "chat.completion" if chat else "text_completion"
 
-        def choice(text: str, finish: str | None, streamed: bool) -> dict:
+        def choice(text: str, finish: str | None, streamed: bool, first: bool = False) -> dict:
             if not chat:
                 return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-            key = "delta" if streamed else "message"
-            content = {"role": "assistant", "content": text} if not streamed or text else {}
-            return {"index": 0, key: content, "finish_reason": finish}
+            if not streamed:
+                return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+            return {"index": 0, "delta": delta, "finish_reason": finish}
 
         def envelope(choices: list[dict], streamed: bool) -> dict:
             return {"id": rid, "object": kind + (".chunk" if streamed and chat else ""), "created": created,
                     "model": served.name, "choices": choices}
 
         if not body.stream:
-            parts = [part async for part in stream]  # (text, None)..., then (text, finish reason)
+            async def collect() -> list[tuple[str, str | None]]:
+                async with contextlib.aclosing(stream):
+                    return [part async for part in stream]  # (text, None)..., then (text, finish reason)
+
+            parts = await unless_disconnected(request, collect())
+            if parts is None:  # the client went away: the request was aborted, and nobody reads an answer
+                return Response(status_code=499)
             text = "".join(piece for piece, _ in parts)
             return envelope([choice(text, parts[-1][1], False)], False) | {"usage": usage(prompt, count)}
 
         async def events() -> AsyncIterator[str]:
-            async for piece, finish in stream:
-                yield f"data: {json.dumps(envelope([choice(piece, finish, True)], True))}\n\n"
+            first = True
+            async with contextlib.aclosing(stream):
+                try:
+                    async for piece, finish in stream:
+                        yield f"data: {json.dumps(envelope([choice(piece, finish, True, first)], True))}\n\n"
+                        first = False
+                except APIError as err:  # the status has gone out: the error travels as an event
+                    yield f"data: {json.dumps(json.loads(err.response().body))}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield f"data: {json.dumps(envelope([], True) | {'usage': usage(prompt, count)})}\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return AbortingStream(lambda: loop.abort(rid), events(), media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(request: Request, body: CompletionRequest):
         prompt = body.prompt if isinstance(body.prompt, list) else served.encode(body.prompt)
-        return await respond(body, prompt, "prompt", 16 if body.max_tokens is None else body.max_tokens, chat=False)
+        limit = 16 if body.max_tokens is None else body.max_tokens
+        return await respond(request, body, prompt, "prompt", limit, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest):
+    async def chat_completions(request: Request, body: ChatRequest):
         try:
             text = served.render_chat([m.model_dump() for m in body.messages])
         except ValueError as err:
             raise APIError(400, str(err), "messages") from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await respond(body, served.encode(text), "messages", limit, chat=True)
+        return await respond(request, body, served.encode(text), "messages", limit, chat=True)
 
     @app.get("/v1/models")
     async def models():

@@ -9,6 +9,7 @@ request the tokens it gained. Nothing else touches the engine, so it needs no lo
 from __future__ import annotations
 
 import threading
+import traceback
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
@@ -19,6 +20,10 @@ from ..inference.serving import Engine
 
 class QueueFull(RuntimeError):
     """More requests than the engine's batch and its waiting room hold: the server answers 429 at once."""
+
+
+class EngineStopped(RuntimeError):
+    """The loop has stopped (shut down, or its thread failed): the server answers 503."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class EngineLoop:
         self._live: dict[Hashable, tuple[Deliver, int]] = {}  # request id -> (deliver, tokens delivered); engine's
         self._admitted = 0  # requests taken by submit and not yet ended
         self._stopping = False
+        self.failure: str | None = None  # why the thread died, if it did
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> EngineLoop:
@@ -75,8 +81,8 @@ class EngineLoop:
 
     def submit(self, request: Request, deliver: Deliver) -> None:
         with self._wake:
-            if self._stopping:
-                raise QueueFull("the server is shutting down")
+            if self._stopping or self.failure is not None:
+                raise EngineStopped(self.failure or "the server is shutting down")
             if self._admitted >= self.capacity:
                 raise QueueFull(f"{self._admitted} requests are running or waiting, the most this server holds")
             self._admitted += 1
@@ -92,6 +98,12 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def admitted(self) -> int:
+        """Requests submitted and not yet ended (running, waiting, or still on their way to the engine)."""
+        with self._wake:
+            return self._admitted
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish nothing more: after the iteration under way, end every live request with "abort" and let the
@@ -121,18 +133,42 @@ class EngineLoop:
                 if self.engine.abort(rid):
                     self._end(rid, Update((), "abort"))
                 continue
+            if rid in self._live:
+                with self._wake:
+                    self._admitted -= 1
+                deliver(Update((), "error", f"request id {rid!r} is already live; use unique ids"))
+                continue
+            self._live[rid] = (deliver, 0)
             try:
                 self.engine.submit(request)
             except ValueError as err:  # the HTTP layer checks requests first; this is the engine's last word
-                self._live[rid] = (deliver, 0)
                 self._end(rid, Update((), "error", str(err)))
                 continue
-            self._live[rid] = (deliver, 0)
         scheduler, allocator = self.engine.scheduler, self.engine.cache.allocator
         self.stats = replace(self.stats, running=len(scheduler.running), waiting=len(scheduler.waiting),
                              blocks_used=allocator.num_used, blocks_free=allocator.num_free)
 
     def _run(self) -> None:
+        """The loop; if it fails, every live request and every one still on its way ends with the error, and the
+        loop refuses new ones (no client waits for a thread that is gone)."""
+        try:
+            self._serve()
+        except BaseException as err:
+            with self._wake:
+                self.failure = f"the engine loop failed: {type(err).__name__}: {err}"
+                consumers = [deliver for kind, _, _, deliver in self._inbox if kind == "submit"]
+                consumers += [deliver for deliver, _ in self._live.values()]
+                self._inbox.clear()
+                self._admitted = 0
+            for deliver in consumers:
+                try:
+                    deliver(Update((), "error", self.failure))
+                except Exception:  # noqa: BLE001 - a consumer that is gone cannot be told
+                    pass
+            self._live.clear()
+            traceback.print_exc()  # for whoever runs the server; the clients have been told
+
+    def _serve(self) -> None:
         while True:
             with self._wake:
                 while not (self._inbox or self._stopping or self.engine.has_work):
