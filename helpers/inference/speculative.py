@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..model.decoding import GREEDY, Sampling, check_context, check_decoding, check_prompt
 from ..model.gpt import GPT
+from ..training.step import token_kl
 from .kv_cache import KVCache
 
 
@@ -66,10 +67,7 @@ def distillation_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor) -
     if draft_logits.shape != target_logits.shape:
         raise ValueError(f"draft logits {tuple(draft_logits.shape)} and target logits {tuple(target_logits.shape)} "
                          "must have the same shape: run both models on the same token windows")
-    dtype = torch.promote_types(draft_logits.dtype, torch.float32)
-    log_p = F.log_softmax(target_logits.to(dtype), dim=-1)
-    log_q = F.log_softmax(draft_logits.to(dtype), dim=-1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    return token_kl(draft_logits, target_logits).mean()
 
 
 def _probabilities(sampling: Sampling, logits: torch.Tensor, context: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,15 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int 
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def token_kl(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) at each position (..., vocab) -> (...), from the target's distribution p to the model's q, in
+    float32 at least."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    log_p = F.log_softmax(target_logits.to(dtype), dim=-1)
+    log_q = F.log_softmax(logits.to(dtype), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over the target tokens of a batch."""
     return token_loss_sum(logits, targets) / (targets != IGNORE_INDEX).sum()
@@ -144,11 +153,7 @@ class DistillationLoss:
         if logits.shape != target.shape:
             raise ValueError(f"the model's logits {tuple(logits.shape)} and the teacher's {tuple(target.shape)} "
                              "differ: distill between models with the same vocabulary")
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        log_p = F.log_softmax(target.to(dtype), dim=-1)
-        log_q = F.log_softmax(logits.to(dtype), dim=-1)
-        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-        return kl[y != IGNORE_INDEX].sum()
+        return token_kl(logits, target)[y != IGNORE_INDEX].sum()
 
 
 FULL = FullLoss()  # the default: the model's logits whole, every one a class
