@@ -7,6 +7,7 @@ others start `python -m helpers serve` on a free loopback port, one server per m
 
 import asyncio
 import json
+import math
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from helpers import GPT, GPTConfig
 from helpers.inference.kv_cache import generate_with_cache
 from helpers.inference.scheduler import Request
 from helpers.inference.serving import Engine
-from helpers.measure.load_test import check_loopback, format_table, load_test, percentile, workload
+from helpers.measure.load_test import RequestResult, check_loopback, format_table, load_test, summarize, workload
 from helpers.measure.serving_race import format_race, medians, race
 from helpers.model.decoding import GREEDY, Sampling
 from helpers.serving.api import create_app
@@ -537,11 +538,17 @@ def test_the_workload_is_seeded_and_every_request_fits_when_asked(served64):
     assert len({r.prompt for r in fitted}) == 50
 
 
-@pytest.mark.parametrize("values", [[3.0], [5.0, 1.0], [0.5, 9.0, 2.0, 4.0, 4.0, 7.5, 1.25]])
-def test_percentiles_interpolate_as_numpy(values):
+def test_a_levels_summary_counts_failures_apart_and_takes_percentiles_as_numpy():
     numpy = pytest.importorskip("numpy")
-    for p in (0, 50, 90, 99, 100):
-        assert percentile(values, p) == pytest.approx(float(numpy.percentile(values, p)))
+    ttfts = [0.5, 9.0, 2.0, 4.0, 4.0, 7.5, 1.25]
+    results = [RequestResult(True, t, t / 10, 5, 2 * t) for t in ttfts] + [RequestResult(False, error="HTTP 500")]
+    summary = summarize(results, wall_s=10.0, concurrency=4)
+    assert (summary["requests"], summary["errors"], summary["output_tokens"]) == (8, 1, 35)
+    assert summary["tokens_per_s"] == 3.5 and summary["first_error"] == "HTTP 500"
+    for p in (50, 90, 99):
+        assert summary[f"ttft_p{p}_s"] == pytest.approx(float(numpy.percentile(ttfts, p)))
+        assert summary[f"itl_p{p}_s"] == pytest.approx(float(numpy.percentile(ttfts, p)) / 10)
+    assert math.isnan(summarize([RequestResult(False, error="x")], 1.0, 1)["ttft_p50_s"])
 
 
 @pytest.mark.timeout(180)

@@ -26,6 +26,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..inference.serving import percentiles_of
 from ..system.args import positive_int
 from ..system.cli import Command, add_json
 
@@ -131,17 +132,6 @@ async def run_level(url: str, model: str, requests: list[LoadRequest], concurren
     return results, time.perf_counter() - start
 
 
-def percentile(values: list[float], p: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * p / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 def summarize(results: list[RequestResult], wall_s: float, concurrency: int) -> dict:
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -149,9 +139,9 @@ def summarize(results: list[RequestResult], wall_s: float, concurrency: int) -> 
     summary = {"concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
                "output_tokens": sum(r.tokens for r in ok), "wall_s": wall_s,
                "tokens_per_s": sum(r.tokens for r in ok) / wall_s, "requests_per_s": len(ok) / wall_s}
-    for p in PERCENTILES:
-        summary[f"ttft_p{p}_s"] = percentile(ttft, p)
-        summary[f"itl_p{p}_s"] = percentile(itl, p)
+    for name, values in (("ttft", ttft), ("itl", itl)):
+        shares = percentiles_of(values, PERCENTILES) if values else {f"p{p}": math.nan for p in PERCENTILES}
+        summary |= {f"{name}_{p}_s": value for p, value in shares.items()}
     errors = [r.error for r in results if not r.ok]
     summary["first_error"] = errors[0] if errors else None
     return summary
@@ -171,16 +161,13 @@ def load_test(url: str, concurrencies: list[int], requests: list[LoadRequest], m
     return [summarize(*asyncio.run(run_level(url, model, requests, c, max_seconds)), c) for c in concurrencies]
 
 
-def format_table(rows: list[dict], label: str | None = None) -> str:
+def format_table(rows: list[dict]) -> str:
     """One line per concurrency (times in ms)."""
-    head = (f"{'server':<12} " if label else "") + (f"{'conc':>5} {'reqs':>5} {'errs':>5} {'tok/s':>8} {'req/s':>7} "
-                                                    f"{'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} "
-                                                    f"{'p90':>7} {'p99':>7}")
-    lines = [head]
+    lines = [f"{'conc':>5} {'reqs':>5} {'errs':>5} {'tok/s':>8} {'req/s':>7} {'TTFT p50':>9} {'p90':>8} {'p99':>8} "
+             f"{'ITL p50':>8} {'p90':>7} {'p99':>7}"]
     for r in rows:
         ms = {k: r[k] * 1e3 for k in r if k.endswith("_s") and k.startswith(("ttft", "itl"))}
-        lines.append((f"{r.get('server', label):<12} " if label else "") +
-                     f"{r['concurrency']:>5} {r['requests']:>5} {r['errors']:>5} {r['tokens_per_s']:>8.1f} "
+        lines.append(f"{r['concurrency']:>5} {r['requests']:>5} {r['errors']:>5} {r['tokens_per_s']:>8.1f} "
                      f"{r['requests_per_s']:>7.2f} {ms['ttft_p50_s']:>9.1f} {ms['ttft_p90_s']:>8.1f} "
                      f"{ms['ttft_p99_s']:>8.1f} {ms['itl_p50_s']:>8.1f} {ms['itl_p90_s']:>7.1f} "
                      f"{ms['itl_p99_s']:>7.1f}")

@@ -132,11 +132,10 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_big = APIError(413, f"the request body is over {self.max_bytes} bytes, the most this server reads",
-                           code="body_too_large").response()
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await too_big(scope, receive, send)
+            too_big = APIError(413, BodyTooLarge(self.max_bytes).detail, code="body_too_large")
+            return await too_big.response()(scope, receive, send)
         seen = 0
 
         async def limited():
@@ -383,7 +382,7 @@ def create_app(served: ServedModel, loop: EngineLoop, *, api_key: str | None = N
                         yield f"data: {json.dumps(envelope([choice(piece, finish, True, first)], True))}\n\n"
                         first = False
                 except APIError as err:  # the status has gone out: the error travels as an event
-                    yield f"data: {json.dumps(json.loads(err.response().body))}\n\n"
+                    yield f"data: {err.response().body.decode()}\n\n"
                     yield "data: [DONE]\n\n"
                     return
             if body.stream_options is not None and body.stream_options.include_usage:
