@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from helpers.model.attention import IMPLEMENTATIONS, AttentionCall, unavailable_reason
 from helpers.model.config import GPTConfig
+from helpers.model.feed_forward import FEED_FORWARDS
 from helpers.model.gpt import GPT
 from helpers.parallel.pipeline import (
     full_name,
@@ -72,7 +73,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     x, y = (torch.randint(CONFIG.vocab_size, (3, CONFIG.context_length), generator=generator) for _ in range(2))
     rows = []
-    for ffn in ("gelu", "swiglu"):
+    for ffn in FEED_FORWARDS:
         for name in sys.argv[2:] or IMPLEMENTATIONS:
             f64 = unavailable_reason(name, AttentionCall("cpu", torch.float64)) is None
             dtype = torch.float64 if f64 else torch.float32

@@ -11,7 +11,7 @@ import torch
 from helpers import exercises
 from helpers.inference.kv_cache import KVCache
 from helpers.model.config import GPTConfig
-from helpers.model.gpt import swiglu_hidden_dim
+from helpers.model.feed_forward import swiglu_hidden_dim
 from helpers.text.tokenizer import get_tokenizer
 
 

@@ -17,9 +17,10 @@ from helpers import GPT, GPTConfig
 from helpers.inference.kv_cache import KVCache, generate_with_cache
 from helpers.inference.serving import Request, serve
 from helpers.model.attention import IMPLEMENTATIONS, AttentionCall, unavailable_reason
+from helpers.model.feed_forward import FEED_FORWARDS
 
 CONFIG = GPTConfig(vocab_size=61, context_length=16, d_model=48, n_heads=4, n_layers=2, dropout=0.0)
-FFNS = ("gelu", "swiglu")
+FFNS = tuple(FEED_FORWARDS)  # every registered feed-forward type
 TOLERANCE = {"torch.float64": 1e-10, "torch.float32": 1e-5}
 REPRESENTATIVES = ("stacked", "sdpa", "flash_torch", "flex_attention")
 KERNELS = [pytest.param(name, marks=() if name in REPRESENTATIVES else pytest.mark.slow) for name in IMPLEMENTATIONS]

@@ -28,7 +28,7 @@ from helpers.measure.memory_plan import (
 )
 from helpers.model.attention import CausalSelfAttention
 from helpers.model.config import GPTConfig
-from helpers.model.gpt import swiglu_hidden_dim
+from helpers.model.feed_forward import swiglu_hidden_dim
 from helpers.notebooks import recorded_seconds
 from helpers.system.device import REFERENCE_DEVICES, autocast_dtype
 

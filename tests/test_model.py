@@ -11,7 +11,7 @@ from torch import nn
 from helpers import GPT, GPTConfig
 from helpers.model.attention import CausalSelfAttention
 from helpers.model.decoding import Sampling
-from helpers.model.gpt import FeedForward, SwiGLUFeedForward, swiglu_hidden_dim
+from helpers.model.feed_forward import FeedForward, SwiGLUFeedForward, swiglu_hidden_dim
 
 TINY = GPTConfig(vocab_size=97, context_length=32, d_model=48, n_heads=4, n_layers=2, dropout=0.0)
 

@@ -19,7 +19,8 @@ from helpers.measure.flops import flop_counter_flops, forward_flops, fvcore_flop
 from helpers.measure.serving_bench import reference_tokens
 from helpers.model import attention
 from helpers.model.attention import IMPLEMENTATIONS, AttentionCall, CausalSelfAttention, unavailable_reason
-from helpers.model.hf_gpt2 import WeightsError, save_hf_gpt2
+from helpers.model.hf_files import WeightsError
+from helpers.model.hf_gpt2 import save_hf_gpt2
 from helpers.model.hf_llama import config_from_hf, load_hf_llama, save_hf_llama
 from helpers.model.rope import apply_rope, rope_angles
 from helpers.parallel.tensor_parallel import check_tensor_parallel

@@ -196,7 +196,7 @@ def test_unsupported_architecture_in_config_json(saved, tmp_path, change, messag
 def test_missing_file_and_non_gpt2_config(tmp_path):
     with pytest.raises(WeightsError, match="no safetensors file at .*give the model.safetensors file or its folder"):
         load_hf_gpt2(tmp_path)
-    with pytest.raises(WeightsError, match="GELU MLP, not ffn_type='swiglu'"):
+    with pytest.raises(WeightsError, match="GPT-2's layout holds the feed-forward types gelu, not ffn_type='swiglu'"):
         save_hf_gpt2(GPT(GPTConfig.from_preset("gpt-smoke", ffn_type="swiglu")), tmp_path)
     with pytest.raises(WeightsError, match="has biases.*bias=True"):
         save_hf_gpt2(GPT(GPTConfig.from_preset("gpt-smoke", bias=False)), tmp_path)

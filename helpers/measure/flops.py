@@ -31,18 +31,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..model.config import PRESETS, GPTConfig
-from ..model.gpt import GPT, swiglu_hidden_dim
+from ..model.feed_forward import feed_forward_type
+from ..model.gpt import GPT
 from ..system.args import positive_int
 from ..system.cli import Command, add_json
 
 # ---- analytic counts ----
-
-
-def ffn_hidden_dim(config: GPTConfig) -> int:
-    """Width of the feed-forward's hidden layer: 4d for GPT-2's GELU MLP, about 8d/3 for SwiGLU, unless set."""
-    if config.ffn_hidden is not None:
-        return config.ffn_hidden
-    return 4 * config.d_model if config.ffn_type == "gelu" else swiglu_hidden_dim(config.d_model)
 
 
 @dataclass(frozen=True)
@@ -53,7 +47,7 @@ class ForwardFlops:
     seq: int
     qkv: int  # the Q, K, V projections (GPT-2's fused c_attn)
     attn_out: int  # attention output projection
-    mlp: int  # feed-forward matmuls (2 for GELU, 3 for SwiGLU)
+    mlp: int  # the feed-forward's matmuls, as its registered type declares them
     attention_scores: int  # Q·Kᵀ over every (query, key) pair, as the counters and unmasked kernels count it
     attention_values: int  # softmax(Q·Kᵀ)·V, likewise
     attention_scores_causal: int  # only the pairs a causal mask keeps: T(T+1)/2 of T²
@@ -99,8 +93,7 @@ def forward_flops(config: GPTConfig, batch: int, seq: int) -> ForwardFlops:
     """Forward FLOPs by hand: each (m x k)·(k x n) matmul is 2·m·k·n; embeddings are lookups (no FLOPs)."""
     check_shape(config, batch, seq)
     tokens, d, layers = batch * seq, config.d_model, config.n_layers
-    hidden = ffn_hidden_dim(config)
-    mlp_per_token = 2 * d * hidden * (2 if config.ffn_type == "gelu" else 3)
+    mlp_per_token = sum(m.flops_per_token for m in feed_forward_type(config).matmuls(config))
     pairs, causal_pairs = seq * seq, seq * (seq + 1) // 2  # (query, key) pairs per sequence
     q_width = config.n_heads * config.head_dim  # d for GPT-2
     kv_width = config.kv_heads * config.head_dim  # narrower with grouped-query attention

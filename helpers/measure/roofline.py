@@ -13,14 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from ..model.config import GPTConfig
+from ..model.feed_forward import feed_forward_type
 from ..system.device import dtype_name
 from .calibration import Calibration
-from .flops import check_shape, ffn_hidden_dim
+from .flops import check_shape
 from .timing import Spread, interleaved
 
-# Rough arithmetic per element of the elementwise operations. Whatever the exact count, it is O(1) per element
-# read, so their intensity stays near 1 FLOP/byte and memory bandwidth bounds them.
-ELEMENTWISE_FLOPS = {"softmax": 5, "layer_norm": 8, "gelu": 10, "add": 1}
+# Rough arithmetic per element of the elementwise operations (a feed-forward declares its activation's). Whatever the
+# exact count, it is O(1) per element read, so their intensity stays near 1 FLOP/byte and memory bandwidth bounds them.
+ELEMENTWISE_FLOPS = {"softmax": 5, "layer_norm": 8, "add": 1}
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,7 @@ def gpt_operations(config: GPTConfig, batch: int, seq: int, device: torch.device
     check_shape(config, batch, seq)
     size, device = torch.empty((), dtype=dtype).element_size(), torch.device(device)
     tokens, d, heads, hd = batch * seq, config.d_model, config.n_heads, config.head_dim
-    hidden = ffn_hidden_dim(config)
-    fc_out = hidden if config.ffn_type == "gelu" else 2 * hidden
+    feed_forward = feed_forward_type(config)
 
     def randn(*shape):
         return lambda: torch.randn(*shape, device=device, dtype=dtype)
@@ -63,13 +63,12 @@ def gpt_operations(config: GPTConfig, batch: int, seq: int, device: torch.device
             return lambda: F.linear(x, w)
         return Operation(name, "matmul", 2 * m * k * n, (m * k + k * n + m * n) * size, make, device)
 
-    def elementwise(name: str, op: str, shape: tuple[int, int], fn, inputs: int = 1) -> Operation:
+    def elementwise(name: str, flops_per_element: int, shape: tuple[int, int], fn, inputs: int = 1) -> Operation:
         def make():
             xs = [randn(*shape)() for _ in range(inputs)]
             return lambda: fn(*xs)
         numel = shape[0] * shape[1]
-        return Operation(name, "elementwise", ELEMENTWISE_FLOPS[op] * numel, (inputs + 1) * numel * size, make,
-                         device)
+        return Operation(name, "elementwise", flops_per_element * numel, (inputs + 1) * numel * size, make, device)
 
     qkv = (batch, heads, seq, hd)
     scores = batch * heads * seq * seq
@@ -90,8 +89,7 @@ def gpt_operations(config: GPTConfig, batch: int, seq: int, device: torch.device
     return [
         matmul("QKV projection", tokens, d, 3 * d),
         matmul("attention output projection", tokens, d, d),
-        matmul("feed-forward up", tokens, d, fc_out),
-        matmul("feed-forward down", tokens, hidden, d),
+        *(matmul(m.label, tokens, m.in_features, m.out_features) for m in feed_forward.matmuls(config)),
         matmul("LM head", tokens, d, config.vocab_size),
         Operation("Q·Kᵀ scores (eager, writes T×T)", "attention", 2 * scores * hd,
                   (2 * batch * heads * seq * hd + scores) * size, make_scores, device),
@@ -99,9 +97,11 @@ def gpt_operations(config: GPTConfig, batch: int, seq: int, device: torch.device
                   4 * batch * heads * seq * hd * size, make_sdpa, device),
         Operation("softmax over scores (eager)", "elementwise", ELEMENTWISE_FLOPS["softmax"] * scores,
                   2 * scores * size, make_softmax, device),
-        elementwise("LayerNorm", "layer_norm", (tokens, d), lambda x: F.layer_norm(x, (d,), ln_w, ln_b)),
-        elementwise("GELU", "gelu", (tokens, 4 * d), lambda x: F.gelu(x, approximate="tanh")),
-        elementwise("residual add", "add", (tokens, d), torch.add, inputs=2),
+        elementwise("LayerNorm", ELEMENTWISE_FLOPS["layer_norm"], (tokens, d),
+                    lambda x: F.layer_norm(x, (d,), ln_w, ln_b)),
+        *(elementwise(op.label, op.flops_per_element, (tokens, op.width), op.run, op.inputs)
+          for op in feed_forward.elementwise(config)),
+        elementwise("residual add", ELEMENTWISE_FLOPS["add"], (tokens, d), torch.add, inputs=2),
     ]
 
 

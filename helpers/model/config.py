@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .feed_forward import FEED_FORWARDS
+
 GPT2_VOCAB_SIZE = 50257
-FFN_TYPES = ("gelu", "swiglu")  # GPT-2's GELU MLP; the gated SiLU unit of PaLM and LLaMA
 NORMS = ("layernorm", "rmsnorm")  # GPT-2's LayerNorm; LLaMA's RMSNorm (no mean, no bias)
 POSITION_ENCODINGS = ("learned", "rope")  # GPT-2's learned absolute table; rotary embeddings (RoFormer, LLaMA)
 
@@ -26,7 +27,7 @@ class GPTConfig:
     dropout: float = 0.1
     bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
     tie_weights: bool = True  # LM head shares the token-embedding matrix, as in GPT-2
-    ffn_type: str = "gelu"  # feed-forward: "gelu" (GPT-2) or "swiglu" (same parameter count, gated)
+    ffn_type: str = "gelu"  # a registered feed-forward (helpers.model.feed_forward): "gelu" (GPT-2), "swiglu" (gated)
     # ---- the changes from GPT-2 to LLaMA-style decoders (ch08) ----
     norm: str = "layernorm"  # "layernorm" (GPT-2) or "rmsnorm" (LLaMA, Qwen, Gemma)
     norm_eps: float = 1e-5
@@ -53,7 +54,7 @@ class GPTConfig:
                              "key/value head serves a group of query heads")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        for name, valid in (("ffn_type", FFN_TYPES), ("norm", NORMS), ("position_encoding", POSITION_ENCODINGS)):
+        for name, valid in (("ffn_type", FEED_FORWARDS), ("norm", NORMS), ("position_encoding", POSITION_ENCODINGS)):
             if getattr(self, name) not in valid:
                 raise ValueError(f"unknown GPTConfig.{name} {getattr(self, name)!r}; valid types: {', '.join(valid)}")
         if not self.norm_eps > 0 or not self.rope_theta > 0:

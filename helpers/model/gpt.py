@@ -9,69 +9,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import CausalSelfAttention, KVCacheView, check_attn_implementation
 from .checkpointing import check_checkpointing, checkpointed
 from .config import GPTConfig
 from .decoding import GREEDY, Sampling, check_decoding, check_prompt, check_token_ids
+from .feed_forward import feed_forward_type
 from .lm_head import chunked_cross_entropy
 from .rope import rope_angles
-
-
-class FeedForward(nn.Module):
-    """Position-wise MLP: d -> 4d -> d with GELU (tanh approximation, as GPT-2 was trained)."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        hidden = config.ffn_hidden or 4 * config.d_model
-        self.fc = nn.Linear(config.d_model, hidden, bias=config.bias)
-        self.act = nn.GELU(approximate="tanh")
-        self.proj = nn.Linear(hidden, config.d_model, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(self.act(self.fc(x))))
-
-
-def swiglu_hidden_dim(d_model: int, multiple_of: int = 64, tolerance: float = 0.01) -> int:
-    """Hidden width h of a SwiGLU feed-forward with the GELU MLP's parameter count: 3·d·h ≈ 8·d², so h ≈ 8d/3.
-
-    The multiple of 64 nearest 8d/3 (matmul-friendly, as LLaMA rounds to a multiple of 256); on small models,
-    where that misses the GELU MLP's parameter count (biases included) by more than `tolerance`, the largest
-    smaller power-of-two multiple that does not.
-    """
-    gelu = 8 * d_model**2 + 5 * d_model  # weights and biases of d -> 4d -> d
-    while True:
-        hidden = max(multiple_of, round(8 * d_model / 3 / multiple_of) * multiple_of)
-        swiglu = 3 * d_model * hidden + 2 * hidden + d_model
-        if abs(swiglu / gelu - 1) <= tolerance or multiple_of == 1:
-            return hidden
-        multiple_of //= 2
-
-
-class SwiGLUFeedForward(nn.Module):
-    """Gated feed-forward (Shazeer 2020; PaLM, LLaMA): proj(silu(x·W_gate) * (x·W_up)), d -> ~8d/3 -> d.
-
-    Three weight matrices instead of two, so the hidden width shrinks from 4d to about 8d/3 and the parameter
-    count and FLOPs stay those of GPT-2's MLP (unless `ffn_hidden` sets the width, as real checkpoints do). `fc`
-    holds the gate and up projections stacked (one matmul).
-    """
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        hidden = config.ffn_hidden or swiglu_hidden_dim(config.d_model)
-        self.fc = nn.Linear(config.d_model, 2 * hidden, bias=config.bias)
-        self.proj = nn.Linear(hidden, config.d_model, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.dropout(self.proj(F.silu(gate) * up))
-
-
-FEED_FORWARDS = {"gelu": FeedForward, "swiglu": SwiGLUFeedForward}  # by GPTConfig.ffn_type
 
 
 def norm_layer(config: GPTConfig) -> nn.Module:
@@ -93,7 +39,7 @@ class TransformerBlock(nn.Module):
             n_kv_heads=config.kv_heads, head_dim=config.head_dim, qk_norm=config.qk_norm, norm_eps=config.norm_eps,
         )
         self.ln2 = norm_layer(config)
-        self.mlp = FEED_FORWARDS[config.ffn_type](config)
+        self.mlp = feed_forward_type(config)(config)
 
     def forward(self, x: torch.Tensor, cache: KVCacheView | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -124,7 +70,7 @@ class GPT(nn.Module):
         # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 * n_layers),
         # so the residual's variance does not grow with depth.
         for block in self.blocks:
-            for proj in (block.attn.out_proj, block.mlp.proj):
+            for proj in (block.attn.out_proj, *block.mlp.residual_projections()):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layers))
 
     @staticmethod

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from ..system.files import atomic_path
 from .config import GPT2_VOCAB_SIZE, PRESETS, GPTConfig
+from .feed_forward import feed_forward_type, in_layout, part_with_activation
 from .gpt import GPT
+from .hf_files import WeightsError, check_exported_config, save_with_config
 from .hub import WeightsUnavailable as WeightsUnavailable  # re-exported: what download_gpt2 raises
 from .hub import download_files
 from .loading import tie_weights
@@ -29,7 +29,6 @@ from .loading import tie_weights
 HF_PREFIX = "transformer."
 HF_BUFFERS = ("attn.bias", "attn.masked_bias")  # causal-mask buffers of old files: recomputed, not loaded
 GPT2_REPOSITORY = "openai-community/gpt2"
-EXPORTED_CONFIG = "helpers.config_json"  # safetensors metadata key: the config.json written with these weights
 
 _TOP = {"tok_emb.weight": "wte.weight", "pos_emb.weight": "wpe.weight", "ln_f.weight": "ln_f.weight",
         "ln_f.bias": "ln_f.bias"}
@@ -38,40 +37,27 @@ _BLOCK = {  # ours, after `blocks.{i}.` -> Hugging Face's, after `h.{i}.`
     "attn.qkv.weight": "attn.c_attn.weight", "attn.qkv.bias": "attn.c_attn.bias",
     "attn.out_proj.weight": "attn.c_proj.weight", "attn.out_proj.bias": "attn.c_proj.bias",
     "ln2.weight": "ln_2.weight", "ln2.bias": "ln_2.bias",
-    "mlp.fc.weight": "mlp.c_fc.weight", "mlp.fc.bias": "mlp.c_fc.bias",
-    "mlp.proj.weight": "mlp.c_proj.weight", "mlp.proj.bias": "mlp.c_proj.bias",
-}
-_CONV1D = {"attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"}
-# activation_function values that are GPT-2's tanh-approximated GELU, the one helpers.GPT implements
-_TANH_GELU = {"gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
-
-
-class WeightsError(ValueError):
-    """A file's tensors or config do not fit the model: which tensor, expected against found, and what to do."""
-
-def check_exported_config(metadata: Mapping[str, str] | None, hf_config: Mapping | None, source: object) -> None:
-    """Refuse a config.json other than the one the weights were exported with (a copy sits in their metadata)."""
-    exported = json.loads((metadata or {}).get(EXPORTED_CONFIG, "{}"))
-    differ = sorted(k for k, v in exported.items() if hf_config is not None and hf_config.get(k) != v)
-    if differ:
-        raise WeightsError(f"{source} is not the config these weights were exported with ({', '.join(differ)} "
-                           "differ): an export into this folder was interrupted or the files come from different "
-                           "models; export the model again")
+}  # the feed-forward's names come from its registered type (helpers.model.feed_forward)
 
 
 def hf_names(config: GPTConfig) -> dict[str, str]:
     """Our parameter names -> Hugging Face's (without the `transformer.` prefix)."""
+    block = dict(_BLOCK)
+    for ours, (theirs,) in feed_forward_type(config).hf_layouts["gpt2"].weights.items():  # Conv1D: one to one
+        block |= {f"mlp.{ours}.{p}": f"mlp.{theirs}.{p}" for p in ("weight", "bias")}
     names = dict(_TOP)
     for i in range(config.n_layers):
-        names.update({f"blocks.{i}.{ours}": f"h.{i}.{theirs}" for ours, theirs in _BLOCK.items()})
+        names.update({f"blocks.{i}.{ours}": f"h.{i}.{theirs}" for ours, theirs in block.items()})
     if not config.tie_weights:
         names["lm_head.weight"] = "lm_head.weight"
     return names
 
 
 def is_conv1d(hf_name: str) -> bool:
-    """True for the weights Hugging Face stores as (in, out), which nn.Linear holds transposed."""
-    return hf_name.split(".", 2)[-1] in _CONV1D
+    """True for the weights Hugging Face stores as (in, out), which nn.Linear holds transposed: every layer's in a
+    block's attention and MLP."""
+    name = hf_name.split(".", 2)[-1] if hf_name.startswith("h.") else ""
+    return name.startswith(("attn.", "mlp.")) and name.endswith(".weight")
 
 
 def expected_hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -89,8 +75,14 @@ def _check_gpt2_architecture(config: GPTConfig) -> None:
                            "has chapter 8's options: save it in the Llama layout (helpers.model.hf_llama)")
     if not config.bias:
         raise WeightsError("GPT-2's layout has biases in every linear and LayerNorm layer; use a config with bias=True")
-    if getattr(config, "ffn_type", "gelu") != "gelu":
-        raise WeightsError(f"GPT-2's layout has the GELU MLP, not ffn_type={config.ffn_type!r}; use ffn_type='gelu'")
+    held = in_layout("gpt2")
+    if config.ffn_type not in held:
+        raise WeightsError(f"GPT-2's layout holds the feed-forward types {', '.join(held)}, not "
+                           f"ffn_type={config.ffn_type!r}; use one of those, or save it in the Llama layout")
+    hidden = feed_forward_type(config).hidden_dim(config)
+    if hidden != 4 * config.d_model:
+        raise WeightsError(f"GPT-2's layout has a feed-forward 4 x d_model = {4 * config.d_model} wide, not {hidden}; "
+                           "use ffn_hidden=None")
 
 
 def _strip(name: str) -> str:
@@ -115,9 +107,11 @@ def config_from_hf(shapes: Mapping[str, tuple[int, ...]], hf_config: Mapping | N
             raise WeightsError(f"{source} has no tensor {name!r}: not a GPT-2 checkpoint in the Hugging Face layout")
     hf_config = dict(hf_config or {})
     activation = hf_config.get("activation_function", "gelu_new")
-    if activation not in _TANH_GELU:
-        raise WeightsError(f"{source}: activation_function={activation!r}, but helpers.GPT implements GPT-2's "
-                           f"tanh-approximated GELU ({', '.join(sorted(_TANH_GELU))}); use transformers for this model")
+    feed_forward = part_with_activation("gpt2", activation)
+    if feed_forward is None:
+        known = ", ".join(a for part in in_layout("gpt2").values() for a in part.hf_layouts["gpt2"].activations)
+        raise WeightsError(f"{source}: activation_function={activation!r}, but helpers.GPT's feed-forward types in "
+                           f"GPT-2's layout compute {known}; use transformers for this model")
     eps = hf_config.get("layer_norm_epsilon", 1e-5)
     if eps != 1e-5:
         raise WeightsError(f"{source}: layer_norm_epsilon={eps}, but helpers.GPT uses 1e-5; use transformers")
@@ -131,7 +125,7 @@ def config_from_hf(shapes: Mapping[str, tuple[int, ...]], hf_config: Mapping | N
     if inner not in (None, 4 * d_model):
         raise WeightsError(f"{source}: n_inner={inner}, but helpers.GPT's MLP is 4 x d_model = {4 * d_model} wide")
     fields = dict(vocab_size=vocab_size, context_length=shapes["wpe.weight"][0], d_model=d_model,
-                  n_layers=n_layers, tie_weights=bool(hf_config.get("tie_word_embeddings",
+                  n_layers=n_layers, ffn_type=feed_forward.name, tie_weights=bool(hf_config.get("tie_word_embeddings",
                                                                             "lm_head.weight" not in shapes)))
     if "resid_pdrop" in hf_config:
         fields["dropout"] = float(hf_config["resid_pdrop"])
@@ -149,7 +143,7 @@ def check_against(config: GPTConfig, preset: str | GPTConfig, source: str = "the
     """Return the preset's config (a name or a GPTConfig) if the file's architecture matches it; else say which
     sizes differ and which preset would fit."""
     wanted = _as_config(preset)
-    fields = ("vocab_size", "context_length", "d_model", "n_heads", "n_layers", "tie_weights")
+    fields = ("vocab_size", "context_length", "d_model", "n_heads", "n_layers", "ffn_type", "tie_weights")
     diff = [f for f in fields if getattr(config, f) != getattr(wanted, f)]
     if diff:
         found = ", ".join(f"{f} {getattr(config, f)}" for f in diff)
@@ -239,9 +233,11 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 def hf_config_dict(config: GPTConfig) -> dict:
     """A config.json that transformers reads as the same GPT-2."""
+    _check_gpt2_architecture(config)
+    activation = feed_forward_type(config).hf_layouts["gpt2"].activations[0]
     out = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=config.vocab_size,
                n_positions=config.context_length, n_embd=config.d_model, n_layer=config.n_layers,
-               n_head=config.n_heads, n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+               n_head=config.n_heads, n_inner=None, activation_function=activation, layer_norm_epsilon=1e-5,
                resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
                scale_attn_weights=True, tie_word_embeddings=config.tie_weights)
     special = GPT2_VOCAB_SIZE - 1 if config.vocab_size == GPT2_VOCAB_SIZE else None  # GPT-2's <|endoftext|>
@@ -256,18 +252,6 @@ def save_hf_gpt2(model: GPT, directory: str | os.PathLike) -> Path:
     instead of running the new weights with, say, the old number of heads.
     """
     return save_with_config(directory, hf_state_dict(model), hf_config_dict(model.config))
-
-
-def save_with_config(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor], config: dict) -> Path:
-    """`model.safetensors` (with a copy of `config` in its metadata, for `check_exported_config`) and `config.json`
-    in `directory`, each replaced atomically."""
-    directory = Path(directory)
-    with atomic_path(directory / "model.safetensors") as tmp:
-        save_file({k: t.cpu() for k, t in tensors.items()}, tmp,
-                  metadata={"format": "pt", EXPORTED_CONFIG: json.dumps(config, sort_keys=True)})
-    with atomic_path(directory / "config.json") as tmp:
-        tmp.write_text(json.dumps(config, indent=2) + "\n")
-    return directory
 
 
 def download_gpt2(repo_id: str = GPT2_REPOSITORY, cache_dir: str | os.PathLike | None = None,

@@ -3,7 +3,8 @@
 
 Their files name tensors `model.embed_tokens.weight`, `model.layers.{i}.self_attn.q_proj.weight`, ... and store
 every linear layer as nn.Linear does, (out, in). Three differences from our layout: Q, K and V are three matrices
-(we stack them into one `qkv`), the SwiGLU's gate and up projections are two (we stack them into `fc`), and the
+(we stack them into one `qkv`), the SwiGLU's gate and up projections are two (we stack them into `fc`, as its
+registered type declares, `helpers.model.feed_forward`), and the
 architecture (heads, key/value heads, RoPE's θ, the norm's ε) comes from config.json, not from the shapes.
 Qwen3 is LLaMA plus QK-norm (`q_norm`, `k_norm`) and a head width set apart from d_model.
 
@@ -22,19 +23,20 @@ import torch
 from safetensors import safe_open
 
 from .config import GPTConfig
-from .gpt import GPT, swiglu_hidden_dim
-from .hf_gpt2 import WeightsError, check_exported_config, save_with_config
+from .feed_forward import feed_forward_type, in_layout, part_with_activation
+from .gpt import GPT
+from .hf_files import WeightsError, check_exported_config, save_with_config
 from .loading import tie_weights
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # model_type -> transformers class
 _PREFIX = "model."
 _ATTENTION = ("q_proj", "k_proj", "v_proj")  # stacked, in this order, into our attn.qkv
-_GATED = ("gate_proj", "up_proj")  # stacked into our mlp.fc (gate first, as SwiGLUFeedForward splits it)
 
 
 def hf_groups(config: GPTConfig) -> dict[str, tuple[str, ...]]:
     """Our parameter names -> the Hugging Face tensors (full names) concatenated along dim 0 to make each."""
     groups = {"tok_emb.weight": ("model.embed_tokens.weight",), "ln_f.weight": ("model.norm.weight",)}
+    feed_forward = feed_forward_type(config).hf_layouts["llama"].weights
     for i in range(config.n_layers):
         theirs, ours = f"model.layers.{i}.", f"blocks.{i}."
         groups |= {
@@ -42,9 +44,9 @@ def hf_groups(config: GPTConfig) -> dict[str, tuple[str, ...]]:
             ours + "attn.qkv.weight": tuple(f"{theirs}self_attn.{p}.weight" for p in _ATTENTION),
             ours + "attn.out_proj.weight": (theirs + "self_attn.o_proj.weight",),
             ours + "ln2.weight": (theirs + "post_attention_layernorm.weight",),
-            ours + "mlp.fc.weight": tuple(f"{theirs}mlp.{p}.weight" for p in _GATED),
-            ours + "mlp.proj.weight": (theirs + "mlp.down_proj.weight",),
         }
+        groups |= {f"{ours}mlp.{layer}.weight": tuple(f"{theirs}mlp.{p}.weight" for p in parts)
+                   for layer, parts in feed_forward.items()}
         if config.qk_norm:
             groups |= {ours + "attn.q_norm.weight": (theirs + "self_attn.q_norm.weight",),
                        ours + "attn.k_norm.weight": (theirs + "self_attn.k_norm.weight",)}
@@ -55,10 +57,11 @@ def hf_groups(config: GPTConfig) -> dict[str, tuple[str, ...]]:
 
 def model_type_of(config: GPTConfig) -> str:
     """"qwen3" for a config with QK-norm, "llama" without; refuses what neither layout holds."""
+    held = in_layout("llama")
     problems = [what for what, bad in (
         ("RMSNorm (norm='rmsnorm')", config.norm != "rmsnorm"),
         ("RoPE (position_encoding='rope')", config.position_encoding != "rope"),
-        ("SwiGLU (ffn_type='swiglu')", config.ffn_type != "swiglu"),
+        (f"a feed-forward it holds (ffn_type in {', '.join(held)})", config.ffn_type not in held),
         ("no biases (bias=False)", config.bias),
     ) if bad]
     if problems:
@@ -83,17 +86,21 @@ def config_from_hf(hf: Mapping, source: str = "config.json") -> GPTConfig:
     if kind not in ARCHITECTURES:
         raise WeightsError(f"{source}: model_type {kind!r} is not one of {', '.join(ARCHITECTURES)}; GPT-2 files load "
                            "with helpers.model.hf_gpt2")
-    for key, allowed in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                         ("use_sliding_window", False)):
+    for key, allowed in (("attention_bias", False), ("mlp_bias", False), ("use_sliding_window", False)):
         if hf.get(key, allowed) != allowed:
             raise WeightsError(f"{source}: {key}={hf[key]!r}, but helpers.GPT computes {key}={allowed!r}; use "
                                "transformers for this model")
+    feed_forward = part_with_activation("llama", hf.get("hidden_act", "silu"))
+    if feed_forward is None:
+        known = ", ".join(a for part in in_layout("llama").values() for a in part.hf_layouts["llama"].activations)
+        raise WeightsError(f"{source}: hidden_act={hf['hidden_act']!r}, but helpers.GPT's feed-forward types in this "
+                           f"layout compute {known}; use transformers for this model")
     d_model, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d_model // heads
     return GPTConfig(
         vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"], d_model=d_model, n_heads=heads,
         n_layers=hf["num_hidden_layers"], dropout=float(hf.get("attention_dropout", 0.0)), bias=False,
-        tie_weights=bool(hf.get("tie_word_embeddings", False)), ffn_type="swiglu", norm="rmsnorm",
+        tie_weights=bool(hf.get("tie_word_embeddings", False)), ffn_type=feed_forward.name, norm="rmsnorm",
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), position_encoding="rope", rope_theta=_rope_theta(hf, source),
         n_kv_heads=hf.get("num_key_value_heads") or heads,
         head_size=None if head_dim * heads == d_model else head_dim, qk_norm=kind == "qwen3",
@@ -104,13 +111,15 @@ def config_from_hf(hf: Mapping, source: str = "config.json") -> GPTConfig:
 def hf_config_dict(config: GPTConfig) -> dict:
     """A config.json that transformers reads as the same Llama or Qwen3 model."""
     kind = model_type_of(config)
+    feed_forward = feed_forward_type(config)
     return dict(
         model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=config.vocab_size,
-        hidden_size=config.d_model, intermediate_size=config.ffn_hidden or swiglu_hidden_dim(config.d_model),
+        hidden_size=config.d_model, intermediate_size=feed_forward.hidden_dim(config),
         num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads, num_key_value_heads=config.kv_heads,
         head_dim=config.head_dim, max_position_embeddings=config.context_length, rms_norm_eps=config.norm_eps,
         rope_theta=config.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        hidden_act="silu", attention_bias=False, mlp_bias=False, attention_dropout=config.dropout,
+        hidden_act=feed_forward.hf_layouts["llama"].activations[0], attention_bias=False, mlp_bias=False,
+        attention_dropout=config.dropout,
         tie_word_embeddings=config.tie_weights,
     )
 
@@ -178,12 +187,8 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     out = {}
     for name, parts in hf_groups(config).items():
         tensor = ours[name].detach()
-        if len(parts) == 3:
-            pieces = tensor.split([q, kv, kv])
-        elif len(parts) == 2:
-            pieces = tensor.chunk(2)
-        else:
-            pieces = (tensor,)
+        # Q is wider than K and V under grouped-query attention; stacked feed-forward parts are equal
+        pieces = tensor.split([q, kv, kv]) if name.endswith("attn.qkv.weight") else tensor.chunk(len(parts))
         out |= {part: piece.contiguous() for part, piece in zip(parts, pieces, strict=True)}
     return out
 

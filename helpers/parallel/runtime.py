@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..model.config import PRESETS, GPTConfig
+from ..model.feed_forward import FEED_FORWARDS
 from ..system.args import positive_float, positive_int
 from ..system.files import atomic_path
 
@@ -124,7 +125,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ctx", type=positive_int, help="context_length (default: the preset's)")
     parser.add_argument("--vocab", type=positive_int,
                         help="vocab_size; token ids are taken modulo it (default: the preset's)")
-    parser.add_argument("--ffn", choices=["gelu", "swiglu"], help="feed-forward type (default: the preset's)")
+    parser.add_argument("--ffn", choices=list(FEED_FORWARDS), help="feed-forward type (default: the preset's)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: one GPU per process when there are enough, else CPU with gloo")
     parser.add_argument("--seed", type=int, default=0)

@@ -7,7 +7,8 @@ never needs to be gathered:
 
 * attention: the fused QKV projection is column-parallel (each rank computes its own heads), the output
   projection row-parallel;
-* MLP: the first linear is column-parallel (each rank a slice of the hidden units), the second row-parallel.
+* MLP: the first linear is column-parallel (each rank a slice of the hidden units), the second row-parallel; each
+  feed-forward type declares its layers' splits (`helpers.model.feed_forward.FeedForwardPart.tensor_parallel`).
 
 Two conjugate operators carry the communication (Megatron's f and g): `copy_to_parallel` is the identity in
 forward and an all-reduce of the input gradient in backward; `reduce_from_parallel` all-reduces the partial
@@ -29,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.attention import AttentionCall, unavailable_reason
-from ..model.gpt import GPT, SwiGLUFeedForward
+from ..model.feed_forward import Split
+from ..model.gpt import GPT
 from .comm import CommLog, tensor_bytes
 
 
@@ -148,10 +150,20 @@ def check_tensor_parallel(gpt: GPT, world_size: int) -> None:
         raise ValueError(f"attn_implementation={gpt.attn_implementation!r}: {reason}")
 
 
+ATTENTION_SPLITS = {"qkv": Split("column", parts=3), "out_proj": Split("row")}  # each rank: its heads' Q, K and V
+
+
+def layer_splits(block: nn.Module) -> dict[str, Split]:
+    """How each Linear layer of a transformer block splits, by its name in the block (`attn.qkv`, `mlp.fc`, ...)."""
+    splits = {f"attn.{name}": split for name, split in ATTENTION_SPLITS.items()}
+    return splits | {f"mlp.{name}": split for name, split in type(block.mlp).tensor_parallel.items()}
+
+
 def tensor_parallel_gpt(gpt: GPT, rank: int, world_size: int, logs: TPLogs | None = None) -> GPT:
-    """A copy of `gpt` split Megatron-style: in every block the model's own QKV projection and first MLP layer become
-    column-parallel, the two output projections row-parallel, and the attention computes this rank's heads. The
-    model's forward pass runs unchanged, with its own attention implementation and feed-forward (GELU or SwiGLU).
+    """A copy of `gpt` split Megatron-style: in every block the model's own QKV projection and the feed-forward's
+    column layers (its first, for GPT-2's MLP) become column-parallel, the output projections row-parallel, and the
+    attention computes this rank's heads. The model's forward pass runs unchanged, with its own attention
+    implementation and feed-forward (whichever registered type, by the splits it declares).
 
     Embeddings, LayerNorms and the LM head stay replicated: they see the same inputs and (after f's all-reduce) the
     same gradients on every rank, so they stay equal without any extra communication.
@@ -159,14 +171,14 @@ def tensor_parallel_gpt(gpt: GPT, rank: int, world_size: int, logs: TPLogs | Non
     check_tensor_parallel(gpt, world_size)
     model = copy.deepcopy(gpt)  # one copy keeps the LM head tied to the token embedding
     for block in model.blocks:
-        attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(attn.qkv, rank, world_size, parts=3, logs=logs)
-        attn.out_proj = RowParallelLinear(attn.out_proj, rank, world_size, logs=logs)
-        gated = isinstance(mlp, SwiGLUFeedForward)  # its fc holds the gate and up rows: split each
-        mlp.fc = ColumnParallelLinear(mlp.fc, rank, world_size, parts=2 if gated else 1, logs=logs)
-        mlp.proj = RowParallelLinear(mlp.proj, rank, world_size, logs=logs)
-        attn.n_heads //= world_size
-        attn.n_kv_heads //= world_size
+        for name, split in layer_splits(block).items():
+            owner, _, attribute = name.rpartition(".")
+            full = block.get_submodule(name)
+            parallel = (ColumnParallelLinear(full, rank, world_size, split.parts, logs) if split.kind == "column"
+                        else RowParallelLinear(full, rank, world_size, logs))
+            setattr(block.get_submodule(owner), attribute, parallel)
+        block.attn.n_heads //= world_size
+        block.attn.n_kv_heads //= world_size
     return model
 
 
@@ -182,8 +194,8 @@ def shard_of(tp_model: GPT, name: str, full: torch.Tensor) -> torch.Tensor:
 
 
 def parallelize_gpt(gpt: GPT, mesh) -> dict[str, torch.Tensor]:
-    """Split a (copied) `helpers.GPT` in place with `parallelize_module`: ColwiseParallel for QKV and the MLP's
-    first linear, RowwiseParallel for the two output projections.
+    """Split a (copied) `helpers.GPT` in place with `parallelize_module`: ColwiseParallel for the column layers
+    (QKV, the feed-forward's first), RowwiseParallel for the row ones (the output projections): `layer_splits`.
 
     ColwiseParallel shards a weight's rows contiguously, which would give rank 0 all of Q and half of K. So the
     fused layers' rows are first permuted into rank order ([Q_0 K_0 V_0 | Q_1 K_1 V_1 ...]), and each attention
@@ -196,17 +208,19 @@ def parallelize_gpt(gpt: GPT, mesh) -> dict[str, torch.Tensor]:
     check_tensor_parallel(gpt, world)
     permutations = {}
     for i, block in enumerate(gpt.blocks):
-        attn, mlp = block.attn, block.mlp
-        fused = [("attn.qkv", attn.qkv, 3), ("mlp.fc", mlp.fc, 2 if isinstance(mlp, SwiGLUFeedForward) else 1)]
-        for name, linear, parts in fused:
-            perm = torch.cat([shard_rows(linear.out_features, parts, r, world) for r in range(world)])
+        splits = layer_splits(block)
+        for name, split in splits.items():
+            if split.kind != "column":
+                continue
+            linear = block.get_submodule(name)
+            perm = torch.cat([shard_rows(linear.out_features, split.parts, r, world) for r in range(world)])
             with torch.no_grad():
                 linear.weight.copy_(linear.weight[perm])
                 if linear.bias is not None:
                     linear.bias.copy_(linear.bias[perm])
             permutations[f"blocks.{i}.{name}.weight"] = permutations[f"blocks.{i}.{name}.bias"] = perm
-        parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(), "attn.out_proj": RowwiseParallel(),
-                                         "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
-        attn.n_heads //= world
-        attn.n_kv_heads //= world
+        parallelize_module(block, mesh, {name: ColwiseParallel() if split.kind == "column" else RowwiseParallel()
+                                         for name, split in splits.items()})
+        block.attn.n_heads //= world
+        block.attn.n_kv_heads //= world
     return permutations

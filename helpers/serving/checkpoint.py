@@ -18,7 +18,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..model.gpt import GPT
-from ..model.hf_gpt2 import WeightsError, load_hf_gpt2, save_hf_gpt2
+from ..model.hf_files import WeightsError
+from ..model.hf_gpt2 import load_hf_gpt2, save_hf_gpt2
 from ..model.hf_llama import load_hf_llama, save_hf_llama
 from ..text.tokenizer import ENDOFTEXT
 from ..text.tokenizer_files import (

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..inference.serving import Engine
-    from ..model.hf_gpt2 import WeightsError
+    from ..model.hf_files import WeightsError
     from ..text.tokenizer_files import TokenizerFilesError
     from .api import create_app
     from .checkpoint import load_for_serving
