@@ -116,7 +116,7 @@ def test_it_round_trips_through_the_hugging_face_layout(part, tmp_path):
     saved = json.loads((tmp_path / "config.json").read_text())
     activation = saved["activation_function" if layout == "gpt2" else "hidden_act"]
     assert activation == part.hf_layouts[layout].activations[0]
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).double().eval()
     idx = torch.randint(0, config.vocab_size, (2, 11))
     tolerance = 1e-10 if layout == "gpt2" else 1e-6  # transformers computes RoPE's angles in float32
     with torch.no_grad():
