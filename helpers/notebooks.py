@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .manifest import CORE_PATH, DEEP_DIVES
 from .measure.claims import claims_in_text
 from .system.args import positive_float, positive_int
 from .system.cli import Command
@@ -64,41 +65,6 @@ def is_solutions(path: Path) -> bool:
     return path.name == "solutions.ipynb"
 
 
-# The core path: the lessons a learner walks in this order, from text to a modern decoder (tokens, attention, the
-# GPT, training it, decoding, the KV cache); every other lesson is a deep dive into the core notebook it extends.
-CORE_PATH = (
-    "ch02_text/01_tokenization.ipynb",
-    "ch02_text/02_data.ipynb",
-    "ch03_attention/01_self_attention.ipynb",
-    "ch04_flops/01_gpt_model.ipynb",
-    "ch05_training/01_pretraining.ipynb",
-    "ch05_training/07_decoding.ipynb",
-    "ch06_inference/01_kv_cache.ipynb",
-    "ch08_modern_llm/01_from_gpt2_to_llama.ipynb",
-)
-DEEP_DIVES = {  # deep dive -> the core notebook it extends
-    "ch03_attention/02_efficient_mha.ipynb": "ch03_attention/01_self_attention.ipynb",
-    "ch03_attention/03_flash_attention.ipynb": "ch03_attention/01_self_attention.ipynb",
-    "ch04_flops/02_flops_analysis.ipynb": "ch04_flops/01_gpt_model.ipynb",
-    "ch05_training/02_gradient_accumulation.ipynb": "ch05_training/01_pretraining.ipynb",
-    "ch05_training/03_mixed_precision.ipynb": "ch05_training/01_pretraining.ipynb",
-    "ch05_training/04_training_speed.ipynb": "ch05_training/01_pretraining.ipynb",
-    "ch05_training/05_lr_schedules.ipynb": "ch05_training/01_pretraining.ipynb",
-    "ch05_training/06_memory_efficient_loading.ipynb": "ch05_training/01_pretraining.ipynb",
-    "ch05_training/08_activation_memory.ipynb": "ch05_training/01_pretraining.ipynb",
-    "ch06_inference/02_quantization.ipynb": "ch06_inference/01_kv_cache.ipynb",
-    "ch06_inference/03_continuous_batching.ipynb": "ch06_inference/01_kv_cache.ipynb",
-    "ch06_inference/04_speculative_decoding.ipynb": "ch06_inference/01_kv_cache.ipynb",
-    "ch06_inference/05_prefix_caching.ipynb": "ch06_inference/01_kv_cache.ipynb",
-    "ch06_inference/06_int8_kv_cache.ipynb": "ch06_inference/01_kv_cache.ipynb",
-    "ch06_inference/07_decode_bandwidth.ipynb": "ch06_inference/01_kv_cache.ipynb",
-    "ch07_parallel/01_data_parallel.ipynb": "ch05_training/01_pretraining.ipynb",
-    "ch07_parallel/02_tensor_parallel.ipynb": "ch05_training/01_pretraining.ipynb",
-    "ch07_parallel/03_pipeline_parallel.ipynb": "ch05_training/01_pretraining.ipynb",
-    "ch07_parallel/04_fsdp.ipynb": "ch05_training/01_pretraining.ipynb",
-    "ch07_parallel/05_ddp_from_scratch.ipynb": "ch05_training/01_pretraining.ipynb",
-    "ch08_modern_llm/02_kv_memory.ipynb": "ch08_modern_llm/01_from_gpt2_to_llama.ipynb",
-}
 PATH_MARKS = ("**Core path", "**Deep dive")  # how the title cell's line on the path begins
 
 

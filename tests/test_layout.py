@@ -10,7 +10,7 @@ from pathlib import Path
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 # A subpackage may import its own layer's modules and any lower layer; benchmarks and notebook tooling sit on top.
 LAYERS = {"system": 0, "model": 1, "text": 2, "training": 3, "inference": 3, "parallel": 4, "serving": 4, "measure": 5,
-          "notebooks": 6, "exercises": 6, "__main__": 6, "__init__": 6}
+          "manifest": 6, "notebooks": 6, "exercises": 6, "__main__": 6, "__init__": 6}
 
 
 def module_name(path: Path) -> str:

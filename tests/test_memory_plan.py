@@ -1,7 +1,7 @@
 """The memory plan (helpers.measure.memory_plan) against real execution, and every notebook's gpu scale planned on
-the GPUs learners use: a free Colab T4 (14.7 GiB, fp16), an L4 (22 GiB, bf16) and an A100-40GB (bf16)."""
+the GPUs learners use: a free Colab T4 (14.7 GiB, fp16), an L4 (22 GiB, bf16) and an A100-40GB (bf16); the heavy
+notebooks' time on a T4 by estimate (helpers.measure.time_plan). What each notebook runs there: helpers.manifest."""
 
-import dataclasses
 import functools
 import json
 import re
@@ -13,7 +13,7 @@ import torch
 
 import helpers
 from helpers.inference.kv_cache import kv_cache_bytes_per_token
-from helpers.measure.attention_bench import make_step
+from helpers.manifest import entry
 from helpers.measure.memory_plan import (
     CUDA_CONTEXT_BYTES,
     GIB,
@@ -23,16 +23,12 @@ from helpers.measure.memory_plan import (
     fitting,
     inference_plan,
     largest_fitting,
-    plan_memory,
     training_step_plan,
 )
-from helpers.model.attention import CausalSelfAttention
 from helpers.model.config import GPTConfig
-from helpers.model.feed_forward import swiglu_hidden_dim
-from helpers.notebooks import recorded_seconds
+from helpers.notebooks import ROOT, find_notebooks, recorded_seconds
 from helpers.system.device import REFERENCE_DEVICES, autocast_dtype
 
-ROOT = Path(__file__).resolve().parents[1]
 GPUS = ["t4", "l4", "a100"]
 
 
@@ -190,239 +186,16 @@ def parameters_on(notebook: str, caps) -> dict:
 parameters_of = functools.cache(parameters_on)
 
 
-def small_width(p: dict, vocab: int = helpers.GPTConfig().vocab_size) -> GPTConfig:
-    return GPTConfig(vocab_size=vocab, context_length=p["CONTEXT"], d_model=p["D_MODEL"], n_heads=p["N_HEADS"],
-                     n_layers=p["N_LAYERS"], dropout=0.0)
-
-
-@functools.cache
-def n_params(config: GPTConfig) -> int:
-    with torch.device("meta"):
-        return helpers.GPT(config).num_parameters()
-
-
-def state_bytes(config: GPTConfig) -> int:
-    """A trained model's weights and AdamW moments, without gradients (12 bytes per parameter)."""
-    return 12 * n_params(config)
-
-
-def workloads(notebook: str, p: dict, caps) -> list[tuple[str, int]]:
-    """The largest training steps each notebook runs at its gpu scale, with what the notebook holds beside them."""
-    low = autocast_dtype(caps)
-    if notebook == "ch04_flops/02_flops_analysis.ipynb":
-        return [(preset, training_step_plan(GPTConfig.from_preset(preset, dropout=0.0), p["BENCH_BATCH"],
-                                            p["BENCH_SEQ"], autocast=low).peak_bytes) for preset in p["BENCH_PRESETS"]]
-    if notebook == "ch05_training/01_pretraining.ipynb":  # the step by hand beside the Trainer's model (fp32)
-        config = small_width(p, p["VOCAB"])
-        return [("step by hand", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"]).peak_bytes
-                 + 4 * n_params(config)),
-                ("pretraining", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"], autocast=low).peak_bytes)]
-    if notebook == "ch05_training/02_gradient_accumulation.ipynb":  # one fp32 batch of EFFECTIVE_BATCH sequences
-        config = GPTConfig.from_preset(p["MEMORY_MODEL"], context_length=p["CONTEXT"])
-        return [("one batch", training_step_plan(config, p["EFFECTIVE_BATCH"], p["CONTEXT"]).peak_bytes)]
-    if notebook == "ch05_training/03_mixed_precision.ipynb":  # an fp32 step while three other trainers wait
-        config = small_width(p, p["VOCAB"])
-        return [("interleaved trainers", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"]).peak_bytes
-                 + 3 * state_bytes(config))]
-    if notebook == "ch05_training/04_training_speed.ipynb":  # the fp32 eager-attention rungs
-        config = GPTConfig.from_preset(p["MODEL"], dropout=0.0)
-        return [("fp32 eager", training_step_plan(config, p["BATCH"], p["CTX"], attn_implementation="eager",
-                                                  fused_attention=False).peak_bytes)]
-    if notebook == "ch05_training/05_lr_schedules.ipynb":
-        return [("one run", training_step_plan(small_width(p, p["VOCAB"]), p["BATCH_SIZE"], p["CONTEXT"],
-                                               autocast=low).peak_bytes)]
-    if notebook == "ch05_training/08_activation_memory.ipynb":  # one model and AdamW for every setup, + its start
-        config = GPTConfig.from_preset(p["MODEL"], dropout=0.0)
-        return [("plain step", training_step_plan(config, p["BATCH"], p["CTX"], autocast=low).peak_bytes
-                 + 4 * n_params(config))]
-    if notebook == "ch05_training/solutions.ipynb":  # each section's largest step beside the models kept before it
-        def sized(prefix):
-            return GPTConfig(vocab_size=p[f"{prefix}_VOCAB"], context_length=p[f"{prefix}_CONTEXT"],
-                             d_model=p[f"{prefix}_D_MODEL"], n_heads=p[f"{prefix}_N_HEADS"],
-                             n_layers=p[f"{prefix}_N_LAYERS"], dropout=0.0)
-
-        speed, act, lr = (GPTConfig.from_preset(p["SPEED_MODEL"], dropout=0.0),
-                          GPTConfig.from_preset(p["ACT_MODEL"], dropout=0.0), sized("LR"))
-        held = 4 * (n_params(sized("PRE")) + n_params(sized("AMP")))  # 5.1's model and 5.3's fp32 model
-        def speed_step(batch):
-            return training_step_plan(speed, batch, p["SPEED_CTX"])
-
-        batch = largest_fitting(p["SPEED_BATCHES"], speed_step, caps, held_bytes=held)  # as 5.4 picks it
-        held += 4 * n_params(speed)  # 5.4's model stays
-        return [("5.4 fp32 step", speed_step(batch).peak_bytes + held - 4 * n_params(speed)),
-                ("5.5 Trainer step beside the probe", training_step_plan(lr, p["LR_BATCH"], p["LR_CONTEXT"]).peak_bytes
-                 + held + 8 * n_params(lr)),
-                ("5.8 blocks pass", training_step_plan(act, p["ACT_BATCH"], p["ACT_CTX"], autocast=low,
-                                                       loss_chunk=128).peak_bytes + held)]
-    if notebook == "ch06_inference/02_quantization.ipynb":
-        config = GPTConfig(**p["MODEL"], dropout=0.0)
-        return [("training", training_step_plan(config, p["BATCH_SIZE"], config.context_length,
-                                                autocast=low).peak_bytes)]
-    return inference_and_later_workloads(notebook, p, caps)
-
-
-def attention_step(name: str, batch: int, seq: int, d_model: int, heads: int, dtype: torch.dtype, mode: str) -> int:
-    """chapter 3's benchmark step (helpers.measure.attention_bench.make_step), replayed on meta."""
-    return plan_memory(lambda: make_step(name, batch, seq, d_model, heads, dtype, torch.device("meta"), mode)[1]()
-                       ).peak_bytes
-
-
-def activation_cases(tokens: int, d_model: int, dtype: torch.dtype) -> int:
-    """ch04/01's activation benchmark: every case's input, output gradient and input gradient alive at once (four
-    elementwise activations at 4d, SwiGLU's gate and up halves at 2h)."""
-    hidden = swiglu_hidden_dim(d_model)
-
-    def work():
-        held = []
-        for width, out in [(4 * d_model, 4 * d_model)] * 4 + [(2 * hidden, hidden)]:
-            t_in = torch.zeros(tokens, width, dtype=dtype, requires_grad=True)
-            grad = torch.ones(tokens, out, dtype=dtype)
-            (t_in[:, :out] * 2).backward(grad)
-            held.append((t_in, grad))
-        return held
-
-    return plan_memory(work).peak_bytes
-
-
-def llama_style(p: dict, vocab: int, context: int, d_model: int, heads: int, layers: int, kv_heads: int,
-                **more) -> GPTConfig:
-    return GPTConfig(vocab_size=vocab, context_length=context, d_model=d_model, n_heads=heads, n_layers=layers,
-                     n_kv_heads=kv_heads, dropout=0.0, norm="rmsnorm", position_encoding="rope", ffn_type="swiglu",
-                     bias=False, tie_weights=False, **more)
-
-
-def inference_and_later_workloads(notebook: str, p: dict, caps) -> list[tuple[str, int]]:
-    """The notebooks after the training chapters (and chapter 3's attention benchmarks): their largest step, each
-    beside what the notebook holds then. Serving engines preallocate their whole paged cache, so a served run is
-    planned as a generation with that many cached positions, plus one layer's keys and values gathered per step."""
-    low = autocast_dtype(caps)
-    low_or_fp32 = low or torch.float32
-    if notebook == "ch03_attention/01_self_attention.ipynb":  # the float64 eager reference of the 4 modules
-        return [("float64 eager reference", attention_step("eager", p["BATCH"], p["SEQ_LEN"], p["D_MODEL"],
-                                                           p["N_HEADS"], torch.float64, "fwd"))]
-    if notebook == "ch03_attention/02_efficient_mha.ipynb":  # the memory sweep grows eager's T x T scores
-        dtype = getattr(torch, p["DTYPE"])
-        return [("fwd + bwd, every implementation", attention_step("eager", p["BATCH"], p["SEQ_LEN"], p["D_MODEL"],
-                                                                  p["N_HEADS"], dtype, "fwdbwd")),
-                (f"eager at {max(p['MEMORY_SEQ_LENS'])} tokens", attention_step(
-                    "eager", 1, max(p["MEMORY_SEQ_LENS"]), p["D_MODEL"], p["N_HEADS"], dtype, "fwd"))]
-    if notebook == "ch03_attention/03_flash_attention.ipynb":
-        return [(f"eager fwd + bwd at {max(p['SEQ_LENS'])} tokens", attention_step(
-            "eager", 1, max(p["SEQ_LENS"]), p["D_MODEL"], p["N_HEADS"], getattr(torch, p["DTYPE"]), "fwdbwd"))]
-    if notebook == "ch03_attention/solutions.ipynb":  # dropout's samples: one forward over many copies
-        def dropout_samples():
-            with torch.no_grad():
-                return CausalSelfAttention(64, 4, dropout=0.1).train()(torch.zeros(p["DROPOUT_SAMPLES"], 16, 64))
-        return [("dropout samples", plan_memory(dropout_samples).peak_bytes)]
-    if notebook == "ch04_flops/01_gpt_model.ipynb":
-        train = GPTConfig(vocab_size=5170, dropout=0.0, **{k: p["TRAIN"][k] for k in (
-            "context_length", "d_model", "n_heads", "n_layers")})
-        activations = activation_cases(p["TOKENS"], p["ACT_D_MODEL"], torch.float32)
-        return [("activation benchmark, fp32", activations),
-                ("training", training_step_plan(train, p["TRAIN"]["batch"], train.context_length,
-                                                autocast=low).peak_bytes + activations // 2)]  # the fp16 cases stay
-    if notebook == "ch04_flops/solutions.ipynb":
-        preset, batch, seq = p["FORWARD"]
-        return [("timed forward", inference_plan(GPTConfig.from_preset(preset, dropout=0.0), batch, seq,
-                                                 autocast=low).peak_bytes)]
-    if notebook == "ch05_training/06_memory_efficient_loading.ipynb":  # in a fresh process, one at a time
-        big = n_params(GPTConfig.from_preset(p["BIG_MODEL"]))
-        return [(f"{p['BIG_MODEL']}, two fp32 copies (map_location, on a host with RAM for two)", 8 * big)]
-    if notebook == "ch05_training/07_decoding.ipynb":
-        config = small_width(p, p["VOCAB"])
-        gpt2 = GPTConfig.from_preset("gpt2-small", dropout=0.0)
-        return [("training", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"], autocast=low).peak_bytes),
-                ("GPT-2 decoding beside the trainer", inference_plan(gpt2, 1, 64, cache_len=128).peak_bytes
-                 + state_bytes(config))]
-    if notebook == "ch06_inference/01_kv_cache.ipynb":
-        config, dtype = GPTConfig.from_preset(p["BATCH_PRESET"], dropout=0.0), getattr(torch, p["DTYPE"])
-        return [("largest batch", inference_plan(config, max(p["BATCHES"]), p["BATCH_PROMPT_LEN"], dtype=dtype,
-                                                 cache_len=p["BATCH_PROMPT_LEN"] + p["BATCH_NEW_TOKENS"]).peak_bytes
-                 + n_params(GPTConfig.from_preset(p["BENCH_PRESET"])) * dtype.itemsize)]
-    if notebook == "ch06_inference/03_continuous_batching.ipynb":  # bench_serve beside the model and its fp64 copy
-        config = GPTConfig.from_preset(p["MODEL"], dropout=0.0)
-        ctx = config.context_length
-        gather = 2 * p["MAX_BATCH"] * ctx * config.d_model * 4
-        return [("bench_serve, fp32", inference_plan(config, p["MAX_BATCH"], 1, cache_len=ctx).peak_bytes
-                 + gather + 12 * n_params(config) + 192 * 16 * kv_cache_bytes_per_token(config))]
-    if notebook == "ch06_inference/04_speculative_decoding.ipynb":
-        target = GPTConfig(vocab_size=p["VOCAB"], context_length=p["CONTEXT"], dropout=0.0,
-                           **dict(zip(("d_model", "n_heads", "n_layers"), p["TARGET_SHAPE"], strict=True)))
-        cached = p["PROMPT_TOKENS"] + p["NEW_TOKENS"] + max(p["KS"])
-        batches = inference_plan(target, 256, p["NEW_TOKENS"], cache_len=cached).peak_bytes + 64 * cached * \
-            kv_cache_bytes_per_token(target)  # the batch-64 cache is still held
-        return [("target training", training_step_plan(target, p["BATCH_SIZE"], p["CONTEXT"], autocast=low).peak_bytes),
-                ("caches at batch 256 (+ AdamW moments kept)", batches + 8 * n_params(target))]
-    if notebook == "ch06_inference/05_prefix_caching.ipynb":  # the fp64 check's engine keeps the bench's blocks
-        config = GPTConfig.from_preset(p["MODEL"], context_length=p["CONTEXT"], dropout=0.0)
-        held = 12 * n_params(config) + 2 * p["CONTEXT"] * kv_cache_bytes_per_token(config, torch.float64)
-        return [("fp64 check", inference_plan(config, p["MAX_BATCH"], 1, dtype=torch.float64,
-                                              cache_len=p["CONTEXT"]).peak_bytes + held)]
-    if notebook == "ch06_inference/06_int8_kv_cache.ipynb":
-        config = GPTConfig(vocab_size=p["VOCAB"], context_length=p["CONTEXT"], dropout=0.0,
-                           **dict(zip(("d_model", "n_heads", "n_layers"), p["SHAPE"], strict=True)))
-        return [("training", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"], autocast=low).peak_bytes)]
-    if notebook == "ch06_inference/07_decode_bandwidth.ipynb":  # batch 64 at the context end, and its fp16 copy
-        config = GPTConfig.from_preset(p["MODEL"], dropout=0.0)
-        return [("decoding at the context end", inference_plan(config, max(p["BATCHES"]), 1, dtype=low_or_fp32,
-                                                               cache_len=config.context_length).peak_bytes
-                 + 4 * n_params(config))]
-    if notebook == "ch06_inference/solutions.ipynb":  # the one GPU workload: 6.2's training
-        config = GPTConfig(vocab_size=5170, dropout=0.0, **p["QUANT_MODEL"])
-        return [("6.2 training", training_step_plan(config, p["BATCH_SIZE"], config.context_length,
-                                                    autocast=low).peak_bytes)]
-    if notebook == "ch07_parallel/solutions.ipynb":
-        ddp, act = (GPTConfig.from_preset(spec[0], dropout=0.0, **spec[1]) for spec in (p["DDP_MODEL"], p["ACT_MODEL"]))
-        zero = GPTConfig.from_preset(p["ZERO_MODEL"][0], dropout=0.0, **p["ZERO_MODEL"][1])
-        vectors = 8 * n_params(ddp)  # one float64 copy of the model's size: a flat gradient, a model, a moment
-        held = 12 * vectors  # 7.1's flat gradients and 7.2's float64 models and AdamW moments, still bound
-        last_stage = dataclasses.replace(act, n_layers=-(-act.n_layers // p["ACT_STAGES"]))
-        return [("7.1 float64 shard gradients", 2 * training_step_plan(ddp, p["DDP_BATCH"], ddp.context_length,
-                                                                       steps=1).peak_bytes + 5 * vectors),
-                # one stage's forward kept for its backward (the last: its blocks and the head), the model and its
-                # stages beside it
-                ("7.3 stage activations", plan_memory(lambda: helpers.GPT(last_stage)(
-                    torch.zeros(p["ACT_BATCH"], act.context_length, dtype=torch.long))).peak_bytes + held
-                 + 8 * n_params(act)),
-                ("7.4 ZeRO's AdamW step", training_step_plan(zero, 2, zero.context_length, steps=1).peak_bytes
-                 + held + 8 * n_params(act))]  # 7.3's model and its stages
-    if notebook in ("ch08_modern_llm/01_from_gpt2_to_llama.ipynb", "ch08_modern_llm/solutions.ipynb"):
-        config = llama_style(p, p["VOCAB"], p["CONTEXT"], p["D_MODEL"], p["N_HEADS"], p["N_LAYERS"], p["KV_HEADS"],
-                             qk_norm=True)
-        largest = llama_style(p, p["VOCAB"], p["CONTEXT"], p["D_MODEL"], p["N_HEADS"], p["N_LAYERS"], p["N_HEADS"])
-        trainers_held = 6 if notebook.startswith("ch08_modern_llm/01") else 1  # 01 times its 7 trainers together
-        return [("training beside the other trainers", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"],
-                                                                          autocast=low).peak_bytes
-                 + trainers_held * state_bytes(largest))]
-    if notebook == "ch08_modern_llm/02_kv_memory.ipynb":
-        mha, gqa = (llama_style(p, 4096, p["CONTEXT"], p["D_MODEL"], p["N_HEADS"], p["N_LAYERS"], kv)
-                    for kv in (p["N_HEADS"], p["KV_HEADS"]))
-        sequences = p["MHA_SEQUENCES"] * p["N_HEADS"] // p["KV_HEADS"]  # GQA's blocks at MHA's bytes
-        gather = 2 * p["MAX_BATCH"] * p["CONTEXT"] * gqa.kv_heads * gqa.head_dim * 4
-        return [("GQA served", inference_plan(gqa, sequences, 1, cache_len=p["CONTEXT"]).peak_bytes + gather
-                 + 4 * n_params(mha))]
-    raise KeyError(notebook)
-
-
-NOTEBOOKS = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("ch*/*.ipynb"))
-# Notebooks whose own process puts no tensor on the GPU at the gpu scale (each still holds a CUDA context from
-# its setup cell's attention check), with the reason.
-NO_GPU_WORK = {
-    "ch02_text/01_tokenization.ipynb": "tokenizers run on the CPU",
-    "ch02_text/02_data.ipynb": "datasets, loaders and one embedding lookup on the CPU",
-    "ch02_text/solutions.ipynb": "tokenizers and tables on the CPU",
-    **{f"ch07_parallel/0{i}_{name}.ipynb": "torchrun workers on the CPU with gloo: two processes, one GPU"
-       for i, name in enumerate(["data_parallel", "tensor_parallel", "pipeline_parallel", "fsdp",
-                                 "ddp_from_scratch"], start=1)},
-}
-PLANNED = [n for n in NOTEBOOKS if n not in NO_GPU_WORK]
+NOTEBOOKS = [path.relative_to(ROOT).as_posix() for path in find_notebooks()]
+PLANNED = [name for name in NOTEBOOKS if callable(entry(name).gpu_work)]  # the others put no tensor on the GPU
 
 
 @functools.cache
 def planned_workloads(notebook: str, gpu: str) -> list[tuple[str, int]]:
-    """`workloads` on that GPU, planned once for the tests and the README's table."""
+    """The notebook's largest steps on that GPU (its manifest entry's `gpu_work`), planned once for the tests and the
+    README's table."""
     caps = REFERENCE_DEVICES[gpu]
-    return workloads(notebook, parameters_of(notebook, caps), caps)
+    return entry(notebook).gpu_work(parameters_of(notebook, caps), caps)
 
 
 @pytest.mark.parametrize("gpu", GPUS)
@@ -441,8 +214,8 @@ def memory_table() -> str:
     """The README's table: each notebook's largest planned step on each GPU, in GiB with the allowance."""
     lines = ["| notebook | largest step on a T4 | T4 (fp16) | L4 (bf16) | A100-40GB (bf16) |", "|---|---|---|---|---|"]
     for notebook in NOTEBOOKS:
-        if notebook in NO_GPU_WORK:
-            lines.append(f"| `{notebook}` | none: {NO_GPU_WORK[notebook]} | – | – | – |")
+        if notebook not in PLANNED:
+            lines.append(f"| `{notebook}` | none: {entry(notebook).gpu_work} | – | – | – |")
             continue
         cells, what = [], None
         for gpu in GPUS:
@@ -518,149 +291,9 @@ def test_a_model_that_trains_in_a_cell_is_on_the_notebooks_device(notebook):
 
 # --- time at the gpu scale, by estimate -------------------------------------------------------------------------
 
-# Rates assumed for a T4 (stated, not measured: no GPU ran these notebooks here). Matmuls sustain ~30% of its
-# 65 TFLOP/s fp16 tensor-core peak and ~60% of its 8.1 TFLOP/s fp32 peak; memory ~70% of its 320 GB/s. At a small
-# batch a pass is bound by launching its kernels instead: eager PyTorch launches ~15 per transformer block, ~20 us
-# each with the Python around them: ~0.3 ms per block, ~0.2 ms for the embedding, the head and the sampling (a
-# decode step of a 12-layer model: ~4 ms). A pass takes the longest of the three; a training step is three passes'
-# launches (forward, backward, optimizer) and 6 FLOPs per parameter and token. Host work (tokenizers, float64
-# checks, files) is a stated allowance per notebook.
-T4_SUSTAINED = {torch.float16: 20e12, None: 5e12}
-T4_BANDWIDTH = 220e9
-LAUNCH_S_PER_BLOCK, LAUNCH_S_PER_CALL = 0.3e-3, 0.2e-3
-T4_MINUTES = 8  # the budget of a notebook at its gpu scale on a free Colab T4
-ACCEPTANCE = 0.6  # ch06/04: the distilled draft's tokens kept, per token (the cpu scale measured 49-80%)
-
-
-def pass_seconds(config: GPTConfig, tokens: int, dtype=None, flops_per_param: int = 2, launches: int = 1) -> float:
-    """One pass of a model over `tokens` tokens on a T4 (a forward by default; 6 FLOPs and 3 launches: a step)."""
-    n = n_params(config)
-    return max(flops_per_param * n * tokens / T4_SUSTAINED[dtype], n * (2 if dtype else 4) / T4_BANDWIDTH,
-               launches * (config.n_layers * LAUNCH_S_PER_BLOCK + LAUNCH_S_PER_CALL))
-
-
-def training_seconds(config: GPTConfig, steps: int, tokens_per_step: int, dtype) -> float:
-    return steps * pass_seconds(config, tokens_per_step, dtype, flops_per_param=6, launches=3)
-
-
-def speculative_decoding_seconds(p: dict, low) -> dict[str, float]:
-    """ch06/04, cell by cell: a target and two drafts trained, then generations of NEW_TOKENS at batch 1."""
-    def shape(d_model, heads, layers):
-        return GPTConfig(vocab_size=p["VOCAB"], context_length=p["CONTEXT"], d_model=d_model, n_heads=heads,
-                         n_layers=layers, dropout=0.0)
-
-    target, draft = shape(*p["TARGET_SHAPE"]), shape(*p["DRAFT_SHAPE"])
-    new, prompts, batch_tokens = p["NEW_TOKENS"], p["PROMPTS"], p["BATCH_SIZE"] * p["CONTEXT"]
-    alone = new * pass_seconds(target, 1)
-
-    def speculative(k, kept=ACCEPTANCE):  # a round: k draft steps, one target pass over k + 1 tokens
-        per_round = sum(kept**j for j in range(k + 1))  # tokens a round writes, on average
-        return new / per_round * (k * pass_seconds(draft, 1) + pass_seconds(target, k + 1))
-
-    every_k = sum(speculative(k) for k in p["KS"])
-    calls = p["ROUNDS"] + 2  # `interleaved`: a warm-up and a probe call before the rounds
-    return {
-        "training the target": training_seconds(target, p["TARGET_STEPS"], batch_tokens, low),
-        "training a draft on the text": training_seconds(draft, p["DRAFT_STEPS"], batch_tokens, low),
-        "distilling a draft": p["DISTILL_STEPS"] * (pass_seconds(target, batch_tokens, low)
-                                                     + pass_seconds(draft, batch_tokens, None, 6, 3)),
-        "acceptance of both drafts at every k": 2 * prompts * every_k,
-        "same tokens as the target": prompts * (alone + speculative(4)),
-        "timed generations": calls * prompts * (alone + new * pass_seconds(draft, 1) + every_k),
-        "sampling: 20,000 draws, ~0.2 ms each, and k's generations": 20_000 * 0.2e-3 + prompts * speculative(
-            p["KS"][-1]),
-        "untrained draft, two prompts": 5 * 2 * (alone + speculative(p["KS"][-1], kept=0.0)),
-        "a pass over 1 and 5 tokens by batch": sum(pass_seconds(target, b * p["CONTEXT"] // 2, None) + calls * (
-            pass_seconds(target, b) + pass_seconds(target, 5 * b)) for b in (1, 8, 64, 256)),
-        "host: tokenizer, data": 10,
-    }
-
-
-def chapter5_solutions_seconds(p: dict, low) -> dict[str, float]:
-    """ch05 solutions, section by section (the workloads of chapter 5's notebooks, at these sizes)."""
-    def shape(prefix, vocab=None):
-        return GPTConfig(vocab_size=vocab or p[f"{prefix}_VOCAB"], context_length=p[f"{prefix}_CONTEXT"],
-                         d_model=p[f"{prefix}_D_MODEL"], n_heads=p[f"{prefix}_N_HEADS"],
-                         n_layers=p[f"{prefix}_N_LAYERS"], dropout=0.0)
-
-    pre, acc, amp, lr = shape("PRE"), shape("ACC"), shape("AMP"), shape("LR")
-    speed = GPTConfig.from_preset(p["SPEED_MODEL"], dropout=0.0)
-    speed_tokens, act_tokens = max(p["SPEED_BATCHES"]) * p["SPEED_CTX"], p["ACT_BATCH"] * p["ACT_CTX"]
-    pre_tokens, acc_tokens = p["PRE_BATCH"] * p["PRE_CONTEXT"], p["ACC_BATCH"] * p["ACC_CONTEXT"]
-    lr_tokens = p["LR_BATCH"] * p["LR_CONTEXT"]
-    decodes = p["DEC_NEW_TOKENS"] * (9 + 1 + 9 + 2 + len(p["DEC_TEMPERATURES"]))  # greedy, beams, penalties, KV
-    return {
-        "5.1: pretraining twice, evaluated": 2 * (training_seconds(pre, p["PRE_STEPS"], pre_tokens, low)
-                                                 + 8 * pass_seconds(pre, pre_tokens, low)),
-        "5.1: timed steps, two vocabularies": (p["PRE_ROUNDS"] + 2) * sum(
-            pass_seconds(c, pre_tokens, low, 6, 3) for c in (pre, shape("PRE", helpers.GPTConfig().vocab_size))),
-        "5.2: ragged batches, three runs": 3 * training_seconds(acc, p["ACC_STEPS"] * p["ACC_MICRO_BATCHES"],
-                                                                acc_tokens // p["ACC_MICRO_BATCHES"], None),
-        "5.2: noise scale": training_seconds(acc, p["ACC_TRAIN_STEPS"], acc_tokens, None) + 2 * p[
-            "ACC_NOISE_BATCHES"] * 2 * training_seconds(acc, p["ACC_BATCH"], p["ACC_CONTEXT"], None),
-        "5.3: loss scales and the fp32 run (no bf16 on a T4), ~120 syncs a step": training_seconds(
-            amp, p["AMP_STEPS"], p["AMP_BATCH"] * p["AMP_CONTEXT"], None) + p["AMP_STEPS"] * 120 * 50e-6
-        + 10 * pass_seconds(amp, p["AMP_BATCH"] * p["AMP_CONTEXT"], low, 6, 3),
-        "5.4: optimizers, the model and its head timed in fp32 and 16 bits": (p["SPEED_ROUNDS"] + 2) * (
-            pass_seconds(speed, speed_tokens, None, 6, 3) + pass_seconds(speed, speed_tokens, low, 6, 3)) + 33 * 0.03,
-        "5.5: first updates and two schedules x seeds, evaluated": 5 * pass_seconds(lr, lr_tokens, None, 6, 3)
-        + 2 * len(p["LR_SEEDS"]) * (training_seconds(lr, p["LR_STEPS"], lr_tokens, low)
-                                    + 9 * pass_seconds(lr, 4 * lr_tokens, low)),
-        "5.7: decoding, ~8 sequences at a time": decodes * pass_seconds(pre, 8 * 64),
-        "5.8: the chunked head and checkpointing": 80 * pass_seconds(speed, act_tokens, low, 6, 3) / speed.n_layers
-        + 27 * pass_seconds(speed, act_tokens, low, 8, 3),
-        "host: tokenizers, float64 checks of 124M parameters, a 475 MB checkpoint loaded 4 times": 60,
-    }
-
-
-def chapter6_solutions_seconds(p: dict, low) -> dict[str, float]:
-    """ch06 solutions: 6.2 trains and evaluates its model on the GPU; the serving engine, the speculative pair and
-    6.7's benchmark are small models on the CPU at every scale."""
-    quant = GPTConfig(vocab_size=helpers.GPTConfig().vocab_size, dropout=0.0, **p["QUANT_MODEL"])  # at most GPT-2's
-    context = p["QUANT_MODEL"]["context_length"]
-    recorded = recorded_seconds(ROOT / "ch06_inference/solutions.ipynb")  # at the cpu scale, on a 2-core CPU
-    return {
-        "6.2: training the model to quantize": training_seconds(quant, p["TRAIN_STEPS"], p["BATCH_SIZE"] * context,
-                                                                low),
-        "6.2: 26 evaluations and 6 calibrations, fp32": 32 * pass_seconds(quant, p["EVAL_WINDOWS"] * context),
-        "host: the CPU's share, twice the whole notebook's recorded cpu-scale time (twice the requests)": 2 * recorded,
-    }
-
-
-T4_ESTIMATES = {
-    "ch06_inference/solutions.ipynb": chapter6_solutions_seconds,
-    "ch06_inference/04_speculative_decoding.ipynb": speculative_decoding_seconds,
-    "ch05_training/solutions.ipynb": chapter5_solutions_seconds,
-}
-
-
-@pytest.mark.parametrize("notebook", list(T4_ESTIMATES))
+@pytest.mark.parametrize("notebook", [name for name in NOTEBOOKS if entry(name).t4_time])
 def test_a_notebook_fits_its_time_on_a_t4_by_estimate(notebook, gpu_parameters):
     t4 = REFERENCE_DEVICES["t4"]
-    seconds = T4_ESTIMATES[notebook](gpu_parameters(notebook, t4), autocast_dtype(t4))
-    assert sum(seconds.values()) <= 60 * T4_MINUTES, {k: round(v) for k, v in seconds.items()}
-
-
-def test_the_long_training_notebooks_fit_their_time_on_a_t4_by_estimate(gpu_parameters):
-    t4 = REFERENCE_DEVICES["t4"]
-    low = autocast_dtype(t4)
-    pre, acc, mix, lr = (gpu_parameters(f"ch05_training/{name}.ipynb", t4) for name in (
-        "01_pretraining", "02_gradient_accumulation", "03_mixed_precision", "05_lr_schedules"))
-    modern = gpu_parameters("ch08_modern_llm/01_from_gpt2_to_llama.ipynb", t4)
-    runs_lr = 2 + 2 + len(lr["SWEEP_LRS"]) * len(lr["SWEEP_WARMUPS"]) * len(lr["SEEDS"])  # sections 2-4
-    estimates = {
-        "pretraining": training_seconds(small_width(pre, pre["VOCAB"]), pre["STEPS"],
-                                        pre["BATCH_SIZE"] * pre["CONTEXT"], low),
-        "accumulation": training_seconds(small_width(acc), 2 * acc["TRAIN_STEPS"],
-                                         acc["EFFECTIVE_BATCH"] * acc["CONTEXT"], None),
-        "mixed precision": sum(training_seconds(small_width(mix, mix["VOCAB"]), mix["STEPS"],
-                                                mix["BATCH_SIZE"] * mix["CONTEXT"], dtype)
-                               for dtype in (None, None, low, low)),  # fp32, the fp32 yardstick, bf16 and fp16
-        "lr schedules": training_seconds(small_width(lr, lr["VOCAB"]), runs_lr * lr["STEPS"],
-                                         lr["BATCH_SIZE"] * lr["CONTEXT"], low),
-        # the ladder of 7 variants, once per seed (GPT-2's width and depth; the variants differ by a few percent)
-        "modern decoder": training_seconds(small_width(modern, modern["VOCAB"]), 7 * len(modern["SEEDS"])
-                                           * modern["STEPS"], modern["BATCH_SIZE"] * modern["CONTEXT"], low),
-    }
-    # their training alone, within ten minutes: these notebooks are their training runs
-    assert all(seconds <= 600 for seconds in estimates.values()), {k: round(v) for k, v in estimates.items()}
+    estimate = entry(notebook).t4_time(gpu_parameters(notebook, t4), autocast_dtype(t4), recorded_seconds(
+        ROOT / notebook))
+    assert estimate.fits, f"{notebook} on a T4: {estimate}"

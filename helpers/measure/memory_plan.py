@@ -280,6 +280,13 @@ def inference_plan(config: GPTConfig, batch: int, seq: int, *, dtype: torch.dtyp
                        setup=lambda: GPT(config).to(dtype).eval())
 
 
+@functools.cache
+def parameter_count(config: GPTConfig) -> int:
+    """The parameters of `GPT(config)`, counted on the meta device: no memory, so GPT-2 XL's 1.5B count in a blink."""
+    with torch.device("meta"):
+        return GPT(config).num_parameters()
+
+
 class MemoryPlanError(RuntimeError):
     """Not even the smallest candidate fits the device."""
 
