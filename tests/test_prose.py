@@ -5,8 +5,8 @@ A figure is a number with a unit of time, speed, memory, ratio or share (`71.47 
 decimal with two or more decimals (`4.23`, a loss) or one in scientific notation (`3.4e-05`; a bare power
 such as `1e-6` is an order of magnitude). Not figures: maths
 and code spans, numbers the notebook's own code sets, and sentences that cite their source (a link, "published",
-"et al."). What is left is a constant or a published figure named in `CONSTANTS` with the reason it holds
-everywhere, or a line marked as the recorded machine's (`RECORDED_LINE`).
+"et al."). What is left is a constant or a published figure named in the notebook's `prose_constants`
+(helpers.manifest) with the reason it holds everywhere, or a line marked as the recorded machine's (`RECORDED_LINE`).
 """
 
 import re
@@ -14,6 +14,7 @@ import re
 import nbformat
 import pytest
 
+from helpers.manifest import entry
 from helpers.notebooks import ROOT, find_notebooks
 
 NOTEBOOKS = find_notebooks()
@@ -27,22 +28,6 @@ NOT_PROSE = re.compile(r"\$\$.*?\$\$|\$[^$\n]*\$|`[^`\n]*`|<[^>\n]*>", re.S)
 CITED = re.compile(r"\]\(https?://|\bpublished\b|et al\.", re.I)
 RECORDED_LINE = "> **On the recorded machine:**"
 SENTENCE = re.compile(r"(?<=[.;:!?])\s+(?=[A-Z*(\[\"'_])|\n\s*\n|\n(?=\s*(?:[-*]|\d+\.)\s)")
-
-# Figures the prose may state, per notebook, and why they hold on every machine.
-CONSTANTS = {
-    "ch03_attention/03_flash_attention.ipynb": {
-        "25%": "analytic: five backward matmuls against four",
-        "1.8x": "the claim the notebook checks, quoted", "1.3x": "the claim the notebook checks, quoted"},
-    "ch04_flops/02_flops_analysis.ipynb": {"312 TFLOP/s": "NVIDIA's datasheet figure for the A100"},
-    "ch05_training/01_pretraining.ipynb": {"0.02": "GPT-2's initialisation"},
-    "ch05_training/05_lr_schedules.ipynb": {"0.02": "GPT-2's initialisation"},
-    "ch05_training/03_mixed_precision.ipynb": {"0.0078": "bf16's machine epsilon, 2**-7",
-                                               "5.96e-08": "fp16's smallest subnormal, 2**-24"},
-    "ch07_parallel/01_data_parallel.ipynb": {"25 MiB": "DDP's default bucket_cap_mb"},
-    "ch07_parallel/04_fsdp.ipynb": {"1.9 GB": "the ZeRO paper's table, which the sentence quotes"},
-    "ch08_modern_llm/01_from_gpt2_to_llama.ipynb": {"1.2 GB": "Qwen3-0.6B's bf16 checkpoint"},
-}
-
 
 def number(figure: str) -> str:
     return re.match(r"[\d,.]+(?:e[-+]?\d+)?", figure).group().replace(",", "")
@@ -94,15 +79,18 @@ def test_what_is_not_a_measured_figure_is_left_alone():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_the_prose_quotes_no_figure_a_cell_measures(path):
     nb = nbformat.read(path, as_version=4)
-    found = quoted_figures(nb, CONSTANTS.get(str(path.relative_to(ROOT)), {}))
-    assert not found, "let a cell print these figures, or name a constant in CONSTANTS with why it holds:\n" + \
+    found = quoted_figures(nb, entry(path.relative_to(ROOT).as_posix()).prose_constants)
+    assert not found, "let a cell print these figures, or name a constant in the notebook's prose_constants " \
+        "(helpers/manifest.py) with why it holds:\n" + \
         "\n".join(f"  cell {i}: {figure!r} in: {sentence[:160]}" for i, figure, sentence in found)
 
 
 def test_every_constant_is_still_in_its_notebook():
-    for name, constants in CONSTANTS.items():
-        text = "\n".join(c.source for c in nbformat.read(ROOT / name, as_version=4).cells if c.cell_type == "markdown")
-        assert all(figure in text for figure in constants), f"{name}: drop the constants its prose no longer states"
+    for path in NOTEBOOKS:
+        text = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown")
+        name = path.relative_to(ROOT).as_posix()
+        stale = [figure for figure in entry(name).prose_constants if figure not in text]
+        assert not stale, f"{name}: drop the prose_constants its prose no longer states: {stale}"
 
 
 def undiscussed_failures(nb) -> list[str]:
