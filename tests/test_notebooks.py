@@ -7,6 +7,7 @@ import sys
 import nbformat
 import pytest
 
+from helpers import manifest
 from helpers.notebooks import (
     BOOTSTRAP_METADATA,
     CORE_PATH,
@@ -35,20 +36,10 @@ def test_there_are_notebooks():
     assert NOTEBOOKS, "no notebooks found under ch*/"
 
 
-# Notebooks whose smoke run cannot yet put DEVICE on the virtual accelerator (helpers.system.virtual_device), and
-# why: they run on the plain CPU, so a tensor they leave on the CPU is not caught on this machine.
-NOT_ON_THE_VIRTUAL_DEVICE = {
-    "ch03_attention/02_efficient_mha.ipynb": "torch.compile (FlexAttention's kernel) does not trace under a mode",
-    "ch03_attention/solutions.ipynb": "SDPA's CausalBias is a tensor subclass of its own",
-    "ch05_training/06_memory_efficient_loading.ipynb": "it loads in fresh processes, where the device does not exist",
-    "ch06_inference/07_decode_bandwidth.ipynb": "torch.compile (its compiled decode step) does not trace under a mode",
-    "ch07_parallel/solutions.ipynb": "it counts saved activations' bytes through their storages in autograd hooks",
-}
-
-
-# ch05/07 reuses the run ch05/01 finished (Trainer.fit_or_reuse). Their smoke runs share a cache of their own, on
-# one worker, in this order, so a change that makes the two recipes differ fails ch05/07's run.
-SHARED_RUN = ("ch05_training/01_pretraining.ipynb", "ch05_training/07_decoding.ipynb")
+# ch05/07 reuses the run ch05/01 finished (Trainer.fit_or_reuse; its manifest entry's `reuses_run_of`). Their smoke
+# runs share a cache of their own, on one worker, in this order, so a change that makes the two recipes differ fails
+# ch05/07's run.
+SHARED_RUN = next((n.reuses_run_of, n.path) for n in manifest.NOTEBOOKS if n.reuses_run_of)
 REUSED = "notebook 01's finished run, loaded from the course's cache"
 
 
@@ -73,7 +64,7 @@ def test_notebook_runs_at_smoke_scale(path, tmp_path, monkeypatch, request):
         # and the other notebooks would all run on one worker
         shared_run_cache = request.getfixturevalue("shared_run_cache")
         monkeypatch.setenv(CACHE_ENV, str(shared_run_cache["directory"]))
-    virtual = name not in NOT_ON_THE_VIRTUAL_DEVICE
+    virtual = manifest.entry(name).off_virtual_device is None  # the entry says why not
     run = execute_notebook(path, tmp_path / path.name, smoke=True, timeout=300, virtual_device=virtual)
     assert run.error is None, run.error[-4000:]
     if name == SHARED_RUN[0]:
