@@ -62,6 +62,7 @@ MODULE_MARKERS = {
     "test_chat_page": ("versions",),  # Playwright and Chromium
     # results that no library's version can change
     "test_layout": ("versionless",),
+    "test_manifest": ("versionless",),
     "test_project": ("versionless",),
     "test_prose": ("versionless",),
     "test_record": ("versionless",),
