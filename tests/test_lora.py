@@ -1,0 +1,163 @@
+"""LoRA against references: a layer against W + (alpha / r)·B·A written out in float64, the model unchanged at step
+0, merged logits equal to unmerged ones in float64 whichever attention kernel runs, only the adapters trained,
+adapters saved and loaded on their own, and LoRA over int8 base weights."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers.inference.kv_cache import generate_with_cache
+from helpers.inference.quantization import Int8Linear, quantize_linears
+from helpers.model.config import GPTConfig
+from helpers.model.gpt import GPT
+from helpers.training.lora import (
+    LoRALinear,
+    add_lora,
+    adapter_state_dict,
+    load_adapter,
+    lora_layers,
+    merge_lora,
+    save_adapter,
+    trainable_parameters,
+)
+from helpers.training.step import lm_loss
+
+CONFIG = GPTConfig(vocab_size=61, context_length=16, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
+
+
+def model64(config: GPTConfig = CONFIG, seed: int = 0, attn_implementation: str = "sdpa") -> GPT:
+    torch.manual_seed(seed)
+    return GPT(config, attn_implementation=attn_implementation).double().eval()
+
+
+def randomise_adapters(model: GPT, seed: int = 1) -> None:
+    """B starts at zero; give it values so the update is not zero."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=generator, dtype=layer.lora_b.dtype) * 0.1)
+
+
+def tokens(batch: int = 2, seq: int = 12, seed: int = 2) -> torch.Tensor:
+    return torch.randint(CONFIG.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_lora_layer_is_the_weight_plus_the_scaled_low_rank_update():
+    base = torch.nn.Linear(24, 40, dtype=torch.float64)
+    layer = LoRALinear(base, rank=4, alpha=8.0)
+    with torch.no_grad():
+        layer.lora_b.normal_()
+    x = torch.randn(3, 5, 24, dtype=torch.float64)
+    reference = F.linear(x, base.weight + (8.0 / 4) * layer.lora_b @ layer.lora_a, base.bias)
+    torch.testing.assert_close(layer(x), reference, rtol=0, atol=1e-12)
+    torch.testing.assert_close(layer.weight, base.weight + 2.0 * layer.lora_b @ layer.lora_a, rtol=0, atol=1e-14)
+    assert layer.lora_a.abs().sum() > 0 and not base.weight.requires_grad
+
+
+def test_the_model_is_unchanged_at_step_zero_and_only_the_adapters_train():
+    model = model64()
+    x, y = tokens(), tokens(seed=3)
+    before = model(x)
+    frozen = {name: p.detach().clone() for name, p in model.named_parameters()}
+    add_lora(model, rank=4, alpha=8.0)
+    assert torch.equal(model(x), before)
+    d, r = CONFIG.d_model, 4
+    per_block = r * ((d + 3 * d) + (d + d) + (d + 4 * d) + (4 * d + d))  # qkv, out_proj, fc, proj: r·(in + out)
+    assert trainable_parameters(model) == CONFIG.n_layers * per_block
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    losses = []
+    for _ in range(20):
+        loss = lm_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+    base_names = {n.replace(".base.", "."): p for n, p in model.named_parameters() if "lora_" not in n}
+    assert base_names.keys() == frozen.keys()
+    assert all(torch.equal(base_names[n], frozen[n]) for n in frozen)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "stacked", "einsum", "wrapper"])
+def test_merged_logits_equal_the_adapted_ones_in_float64(implementation):
+    model = add_lora(model64(attn_implementation=implementation), rank=4, alpha=8.0)
+    randomise_adapters(model)
+    x = tokens()
+    adapted = model(x)
+    assert not torch.allclose(adapted, model64(attn_implementation=implementation)(x))  # the update changes logits
+    merged = merge_lora(model)
+    assert not lora_layers(merged)
+    plain = model64(attn_implementation=implementation)
+    plain.load_state_dict(merged.state_dict(), strict=True)  # a plain GPT again
+    torch.testing.assert_close(plain(x), adapted, rtol=0, atol=1e-10)
+
+
+def test_cached_generation_runs_the_adapted_model():
+    model = add_lora(model64(), rank=2, alpha=4.0)
+    randomise_adapters(model)
+    prompt = tokens(batch=1, seq=4)
+    adapted = generate_with_cache(model, prompt, 8)
+    assert torch.equal(adapted, generate_with_cache(merge_lora(model), prompt, 8))
+
+
+def test_an_adapter_saves_and_loads_on_its_own(tmp_path):
+    model = add_lora(model64(), rank=4, alpha=8.0, targets=("attn.qkv",))
+    randomise_adapters(model)
+    x = tokens()
+    path = save_adapter(model, tmp_path / "adapter.safetensors")
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapter_state_dict(model).values())
+    assert adapter_bytes < path.stat().st_size < adapter_bytes + 4096  # the adapters and a header, not the model
+    loaded = load_adapter(model64(), path)
+    assert sorted(lora_layers(loaded)) == ["blocks.0.attn.qkv", "blocks.1.attn.qkv"]
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
+def test_an_adapter_that_does_not_fit_is_refused_and_the_model_left_as_it_was(tmp_path):
+    path = save_adapter(add_lora(model64(), rank=4, alpha=8.0), tmp_path / "adapter.safetensors")
+    wider = model64(dataclasses.replace(CONFIG, d_model=48))
+    with pytest.raises(ValueError, match="does not fit this model: missing \\[\\], unexpected \\[\\], wrong shape"):
+        load_adapter(wider, path)
+    assert not lora_layers(wider)
+    deeper_adapter = save_adapter(add_lora(model64(dataclasses.replace(CONFIG, n_layers=3))), tmp_path / "deep.st")
+    with pytest.raises(ValueError, match="adapts a layer this model lacks, 'blocks.2.attn."):
+        load_adapter(model64(), deeper_adapter)
+    for again in (add_lora, lambda model: load_adapter(model, path)):
+        with pytest.raises(ValueError, match="already has LoRA layers"):
+            again(load_adapter(model64(), path))
+
+
+def test_bad_arguments_are_refused_with_what_to_do():
+    with pytest.raises(ValueError, match="no Linear layer of the model is named ...attn.q_proj; its layers end with"):
+        add_lora(model64(), targets=("attn.q_proj",))
+    with pytest.raises(ValueError, match="rank must be a positive integer, got 0"):
+        add_lora(model64(), rank=0)
+    with pytest.raises(ValueError, match="no LoRA layers to save"):
+        save_adapter(model64(), "unused.safetensors")
+
+
+def test_lora_over_int8_weights_starts_equal_trains_and_merges():
+    torch.manual_seed(0)
+    model = quantize_linears(GPT(CONFIG).eval(), skip=("lm_head",))
+    assert isinstance(model.blocks[0].mlp.fc, Int8Linear)
+    x, y = tokens(), tokens(seed=3)
+    before = model(x)
+    add_lora(model, rank=4, alpha=8.0)
+    assert torch.equal(model(x), before)
+    assert trainable_parameters(model) > 0 and all(
+        "lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(20):
+        loss = lm_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+    adapted = model(x)
+    merged = merge_lora(model)
+    assert isinstance(merged.blocks[0].mlp.fc, torch.nn.Linear)
+    torch.testing.assert_close(merged(x), adapted, rtol=1e-5, atol=1e-5)
