@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from helpers import GPT, GPTConfig
-from helpers.inference.compiled_decode import CompiledDecoder, StaticKVCache, decode_attention
+from helpers.inference.compiled_decode import CompiledDecoder, StaticKVCache
 from helpers.inference.kv_cache import KVCache, generate_with_cache
 from helpers.inference.kv_quant import dequantize_kv, quantize_kv
+from helpers.model.attention import decode_attention
 from helpers.model.decoding import Sampling
 
 GPT2_STYLE = GPTConfig(vocab_size=97, context_length=40, d_model=32, n_heads=4, n_layers=2, dropout=0.0)

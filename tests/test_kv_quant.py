@@ -2,12 +2,11 @@
 logits against a float64 attention over keys and values rounded the same way, the bytes the cache tensors hold,
 and the paged engine with an int8 cache against the contiguous int8 cache, token for token."""
 
-import math
-
 import pytest
 import torch
 
 from helpers import GPT, GPTConfig
+from helpers.inference.cached_attention import KVRead
 from helpers.inference.kv_cache import KVCache, generate_with_cache, kv_cache_bytes_per_token
 from helpers.inference.kv_quant import dequantize_kv, kv_bytes_per_token_int8, quantize_kv
 from helpers.inference.paged_kv import PagedKVCache
@@ -35,20 +34,18 @@ def test_rounding_error_is_at_most_half_a_step_per_position_and_head():
 
 
 class FakeQuantCache:
-    """The reference: float64 causal attention over keys and values rounded to steps of absmax / 127 per position
-    and head, written out with an explicit softmax (one prefill of a whole sequence)."""
+    """The reference: keys and values rounded to steps of absmax / 127 per position and head, written out in
+    float64, for one prefill of a whole sequence; the model's backend attends over them."""
 
     def positions(self, seq, device):
         return torch.arange(seq, device=device)
 
-    def attend(self, layer, q, k, v, kernel):
+    def update(self, layer, k, v):
         def rounded(x):
             step = x.abs().amax(-1, keepdim=True) / 127
             return torch.round(x / step) * step
 
-        scores = q @ rounded(k).transpose(-2, -1) / math.sqrt(q.size(-1))
-        future = torch.ones(q.size(2), k.size(2), dtype=torch.bool).triu(1)
-        return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ rounded(v)
+        return [KVRead(rounded(k), rounded(v))]
 
     def advance(self, seq):
         pass
@@ -92,10 +89,10 @@ def test_paged_int8_reads_back_the_rounded_values():
     cache.reserve("a", 7)
     k, v = torch.randn(2, 7, 2, 8, dtype=torch.float64)
     cache.write(0, cache.slots("a", 0, 7), k, v)
-    k_read, v_read = cache.read(0, cache.slots("a", 0, 7))
+    k_read, v_read = cache.gather(0, "a", 7)  # (heads, positions, head_dim)
     for read, x in ((k_read, k), (v_read, v)):
         assert read.dtype == torch.float64
-        assert torch.equal(read, dequantize_kv(*quantize_kv(x), torch.float64))
+        assert torch.equal(read, dequantize_kv(*quantize_kv(x), torch.float64).transpose(0, 1))
 
 
 def test_engine_with_an_int8_cache_gives_the_int8_cache_tokens_of_each_request(model64):
@@ -129,5 +126,5 @@ def test_copy_on_write_copies_the_scales_with_the_int8_values():
     cache.commit("a", a, 8)
     cache.attach("b", cache.match_prefix(a[:6] + [0]), 7)  # diverges inside a's second block: a copy
     assert cache.block_tables["b"][1] != cache.block_tables["a"][1]
-    for got, want in zip(cache.read(0, cache.slots("b", 0, 6)), cache.read(0, cache.slots("a", 0, 6)), strict=True):
+    for got, want in zip(cache.gather(0, "b", 6), cache.gather(0, "a", 6), strict=True):
         assert torch.equal(got, want)

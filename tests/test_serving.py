@@ -12,10 +12,11 @@ import torch
 
 from helpers import GPT, GPTConfig
 from helpers.__main__ import main
-from helpers.inference.paged_kv import BlockAllocator, OutOfBlocks, PagedKVCache, attend, attend_decode
+from helpers.inference.paged_kv import BatchRow, BlockAllocator, OutOfBlocks, PagedBatch, PagedKVCache, attend
 from helpers.inference.scheduler import Chunk
 from helpers.inference.serving import Engine, Request, contiguous_layout, serve
 from helpers.measure.serving_bench import mixed_workload, reference_tokens
+from helpers.model.attention import IMPLEMENTATIONS, attend_cache
 from helpers.model.decoding import Sampling
 from helpers.notebooks import ROOT
 
@@ -142,16 +143,23 @@ def test_paged_attention_matches_contiguous_attention_in_float64(start, n):
                                rtol=1e-12, atol=1e-12)
 
 
-def test_batched_decode_attention_matches_per_sequence_reference():
+def test_a_ragged_batch_attends_through_the_block_tables_like_the_reference():
+    """Two decoding tokens and a chunk after 4 cached positions in one row (`PagedBatch`): the model's backend over
+    what each group reads (the decoding tokens batched, padded to the longest) against float64 attention per
+    sequence."""
     lengths = [7, 2, 11]
     cache, kv = fragmented_cache(lengths)
-    slots, valid = cache.padded_slots(list(range(3)), lengths)
-    assert valid.sum(dim=1).tolist() == lengths
-    k_all, v_all = (t.transpose(1, 2) for t in cache.read(0, slots))
-    q = torch.randn(3, 2, 1, 4, dtype=torch.float64)
-    out = attend_decode(q, k_all, v_all, valid)
-    for i, n in enumerate(lengths):
-        torch.testing.assert_close(out[i], reference_attention(q[i], *kv[i], n - 1), rtol=1e-12, atol=1e-12)
+    rows = [BatchRow(0, 6, 1), BatchRow(1, 1, 1), BatchRow(2, 4, 7)]
+    batch = PagedBatch(cache, rows)
+    new_k, new_v = (torch.cat([kv[i][j][:, start : start + n] for i, start, n in rows], dim=1)[None] for j in (0, 1))
+    q = torch.randn(1, 2, 9, 4, dtype=torch.float64)
+    out = attend_cache(IMPLEMENTATIONS["sdpa"], q, batch.update(0, new_k, new_v))[0]
+    offset = 0
+    for i, start, n in rows:
+        k, v = kv[i]
+        torch.testing.assert_close(out[:, offset : offset + n], reference_attention(
+            q[0, :, offset : offset + n], k[:, : start + n], v[:, : start + n], start), rtol=1e-12, atol=1e-12)
+        offset += n
 
 
 # ---- the engine: token-identical to GPT.generate ----

@@ -1,16 +1,52 @@
-"""What every KV cache does inside an attention layer, whatever its layout (contiguous per sequence in
-`kv_cache.KVCache`, blocks in `paged_kv.PagedKVCache`): store the new positions' keys and values, in the compute
-dtype or in int8 with a scale per position and head (`kv_quant`), read them back in the compute dtype, and attend
-the new queries over every cached position with the causal rule.
+"""What every KV cache holds inside an attention layer, whatever its layout (contiguous per sequence in
+`kv_cache.KVCache`, blocks in `paged_kv.PagedKVCache`, every slot at once in `compiled_decode.StaticKVCache`): the
+new positions' keys and values, stored in the compute dtype or in int8 with a scale per position and head
+(`kv_quant`), and, for each attention call, a `KVRead` that says which of them the queries read and how. The
+model's attention backend attends over it (`helpers.model.attention.AttentionBackend.attend`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from .kv_quant import SCALE_DTYPE, dequantize_kv, quantize_kv
+
+
+@dataclass(frozen=True)
+class KVRead:
+    """One layer's keys and values as one attention call reads them (the `CachedKV` of `helpers.model.attention`,
+    where each field is described): the tensors as stored, the positions read (`slots`), and which of them each
+    query may see (`start`, `allowed`). Reading is the same for every cache: `stored` picks the positions, `read`
+    dequantizes an int8 cache (the one place it is)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_scales: torch.Tensor | None = None
+    value_scales: torch.Tensor | None = None
+    slots: slice | torch.Tensor = field(default_factory=lambda: slice(None))
+    start: int = 0
+    allowed: torch.Tensor | None = None
+    static: bool = False
+    queries: slice = field(default_factory=lambda: slice(None))
+    one_token_each: bool = False
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Keys, values and scales (None unless int8) at `slots`, as stored, (batch, kv_heads, length, ...): a view
+        of a contiguous cache, a gather through a paged cache's slots."""
+        if isinstance(self.slots, slice):
+            return tuple(None if t is None else t[:, :, self.slots]
+                         for t in (self.keys, self.values, self.key_scales, self.value_scales))
+        return tuple(None if t is None else t[self.slots].transpose(1, 2)
+                     for t in (self.keys, self.values, self.key_scales, self.value_scales))
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at `slots` in `dtype`, (batch, kv_heads, length, head_dim); int8 dequantized."""
+        keys, values, key_scales, value_scales = self.stored()
+        if key_scales is None:
+            return keys.to(dtype), values.to(dtype)
+        return dequantize_kv(keys, key_scales, dtype), dequantize_kv(values, value_scales, dtype)
 
 
 class KVStorage:
@@ -50,27 +86,9 @@ class KVStorage:
         for tensor in (*self.keys, *self.values, *self.key_scales, *self.value_scales):
             tensor[destination] = tensor[source]
 
-    def read(self, layer: int, where: object, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of `layer` at `where`, in `dtype` (default: the storage's compute dtype)."""
-        k, v = self.keys[layer][where], self.values[layer][where]
+    def at(self, layer: int, slots: slice | torch.Tensor, **how) -> KVRead:
+        """What `layer` holds at `slots` (a slice of the position axis, or (batch, length) flat slots), read as `how`
+        says (`KVRead`'s other fields)."""
         if self.int8:
-            dtype = dtype or self.dtype
-            k = dequantize_kv(k, self.key_scales[layer][where], dtype)
-            v = dequantize_kv(v, self.value_scales[layer][where], dtype)
-        return k, v
-
-
-def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                  kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
-    """Causal attention of new queries over a sequence's cached keys: q (batch, heads, n, head_dim) holds positions
-    start..start+n-1, k and v (batch, heads, start+n, head_dim) positions 0..start+n-1; query i sees keys
-    0..start+i. One new token sees every key (no mask), a whole prompt the usual causal mask (so SDPA may pick its
-    fastest kernel), a chunk after cached positions an offset mask. `kernel`: a masked attention kernel of
-    `helpers.model.attention` (the model's own)."""
-    n = q.size(2)
-    if n == 1:
-        return kernel(q, k, v, is_causal=False)
-    if start == 0:
-        return kernel(q, k, v, is_causal=True)
-    allowed = torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(diagonal=start)
-    return kernel(q, k, v, attn_mask=allowed, is_causal=False)
+            how |= dict(key_scales=self.key_scales[layer], value_scales=self.value_scales[layer])
+        return KVRead(self.keys[layer], self.values[layer], slots=slots, **how)

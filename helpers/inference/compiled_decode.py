@@ -5,9 +5,10 @@ memory; torch.compile traces the step once and replaces them with fewer, fused k
 graph only while the shapes stay the same, and `kv_cache.KVCache` attends over the `length` positions filled so
 far, a shape that grows by one every step. `StaticKVCache` attends over all `max_len` slots at every step and masks
 the ones not written yet, with the new token's position passed as a tensor: the step's shapes never change, so one
-graph serves every step (gpt-fast's recipe). The prefill runs eagerly: its length changes with the prompt. A decode
-step attends with `decode_attention`, two loops over the cache that the compiler writes itself, so an int8 cache is
-read as int8.
+graph serves every step (gpt-fast's recipe). The prefill runs eagerly: its length changes with the prompt. Attention
+is the model's backend's, from the registry, as in every cache; over a static cache a backend attends a decode step
+with `decode_attention` (`helpers.model.attention`), two loops over the cache that the compiler writes itself, so an
+int8 cache is read as int8, unless it brings a kernel of its own.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from ..model.config import GPTConfig
 from ..model.decoding import GREEDY, Sampling
 from ..model.gpt import GPT
-from .cached_attention import KVStorage
+from .cached_attention import KVRead, KVStorage
 from .kv_cache import check_cache_room, decode_loop
 from .kv_quant import check_kv_cache_dtype
 
@@ -30,8 +31,9 @@ class StaticKVCache:
     scale per position and head (`kv_quant`), as `KVCache(int8=True)` stores them.
 
     The model's attention layers call it as they call `KVCache` (the `KVCacheView` protocol): `at(positions)` says
-    where the next tokens go, `attend` writes their keys and values there and attends over every slot up to each
-    query's position. Nothing is read from the cache's length, so compiled code sees no Python number change.
+    where the next tokens go, `update` writes their keys and values there and hands the backend every slot, masked
+    up to each query's position. Nothing is read from the cache's length, so compiled code sees no Python number
+    change.
     """
 
     def __init__(self, config: GPTConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
@@ -58,46 +60,19 @@ class StaticKVCache:
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
         return self.input_pos
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """Write k, v (batch, kv_heads, seq, head_dim) at the positions, then attend every query over the slots up to
-        its own position: a (seq, max_len) mask, so a slot not written yet (or left from a longer earlier
-        generation) is never seen. A decode step attends with `decode_attention` (an int8 cache read as int8); a
-        prefill reads the cache back in the queries' dtype for the model's kernel."""
-        if q.size(0) != self.batch:
-            raise ValueError(f"the cache holds {self.batch} sequences but the input has {q.size(0)}")
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[KVRead]:
+        """Write k, v (batch, kv_heads, seq, head_dim) at the positions; every query reads all the slots, up to its own
+        position: a (seq, max_len) mask, so a slot not written yet (or left from a longer earlier generation) is
+        never seen. Static: the model's backend attends a decode step with `decode_attention` (an int8 cache read as
+        int8) unless it brings its own kernel."""
+        if k.size(0) != self.batch:
+            raise ValueError(f"the cache holds {self.batch} sequences but the input has {k.size(0)}")
         self.storage.write(layer, (slice(None), slice(None), self.input_pos), k, v)
         allowed = self.slots[None, :] <= self.input_pos[:, None]
-        if q.size(2) == 1:  # a decode step: one pass over the cached numbers (int8: no full-precision copy)
-            scales = (self.storage.key_scales[layer], self.storage.value_scales[layer]) if self.int8 else (None, None)
-            return decode_attention(q, self.storage.keys[layer], self.storage.values[layer], allowed, *scales)
-        keys, values = self.storage.read(layer, (slice(None),), q.dtype)
-        return kernel(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=allowed, is_causal=False)
+        return [self.storage.at(layer, slice(None), allowed=allowed, static=True)]
 
     def advance(self, seq: int) -> None:
         """Nothing to count: the caller passes every step's positions."""
-
-
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
-                     key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """One new query per sequence, q (batch, heads, 1, head_dim), over a cache (batch, kv_heads, slots, head_dim)
-    where `allowed` (1, slots) is True, written as a multiply and a sum over the slots: compiled, each of the two
-    products is one loop over the cache, which reads every cached number once, whatever the grouping of heads.
-    An int8 cache passes its scales (batch, kv_heads, slots, 1): each slot's scale goes on its score and on its
-    weight instead of on its numbers, q·(s k) = s (q·k) and Σ p (s v) = Σ (p s) v, so the int8 numbers are
-    converted in registers as they are read, where dequantizing first writes a full-precision copy of the cache
-    that attention then reads again. Scores, softmax and sums in float32 at least."""
-    batch, heads, _, head_dim = q.shape
-    kv_heads = keys.size(1)
-    group = q.to(torch.promote_types(q.dtype, torch.float32)).view(batch, kv_heads, heads // kv_heads, 1, head_dim)
-    scores = (group * keys.unsqueeze(2)).sum(-1) / head_dim**0.5  # (batch, kv_heads, group, slots)
-    if key_scales is not None:
-        scores = scores * key_scales.squeeze(-1).unsqueeze(2)
-    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    if value_scales is not None:
-        weights = weights * value_scales.squeeze(-1).unsqueeze(2)
-    out = (weights.unsqueeze(-1) * values.unsqueeze(2)).sum(-2)  # (batch, kv_heads, group, head_dim)
-    return out.reshape(batch, heads, 1, head_dim).to(q.dtype)
 
 
 class CompiledDecoder:

@@ -6,8 +6,8 @@ positions <= i). With a cache, a *prefill* pass computes and stores them for the
 *decode* step feeds only the newest token, appends its key and value, and attends over the stored ones.
 
 The cache is an object the model's attention layers read and write: `model(idx, cache=cache)` runs the GPT's own
-forward pass on the new tokens, with the model's attention implementation (one that takes an explicit mask:
-eager, sdpa, sdpa_mask) and any module swapped into it (a quantized Linear, for instance).
+forward pass on the new tokens, with the model's attention backend (one that can attend over a cache: eager, sdpa,
+sdpa_mask, or one with its own cached kernel) and any module swapped into it (a quantized Linear, for instance).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from ..model.config import GPTConfig
 from ..model.decoding import GREEDY, Sampling, check_context, check_decoding, check_prompt
 from ..model.gpt import GPT
-from .cached_attention import KVStorage, attend_cached
+from .cached_attention import KVRead, KVStorage
 from .kv_quant import check_kv_cache_dtype
 
 
@@ -71,16 +71,14 @@ class KVCache:
                              "do not fit")
         return torch.arange(self.length, self.length + seq, device=device)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """Write the new positions' keys and values of `layer`, then attend over positions 0 .. length + new - 1
-        (`cached_attention.attend_cached`: query i, at absolute position length + i, sees keys 0 .. length + i)."""
-        if q.size(0) != self.batch:
-            raise ValueError(f"the cache holds {self.batch} sequences but the input has {q.size(0)}")
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[KVRead]:
+        """Write the new positions' keys and values of `layer`; the queries read positions 0 .. length + new - 1,
+        query i (at absolute position length + i) up to its own."""
+        if k.size(0) != self.batch:
+            raise ValueError(f"the cache holds {self.batch} sequences but the input has {k.size(0)}")
         start, end = self.length, self.length + k.size(2)
         self.storage.write(layer, (slice(None), slice(None), slice(start, end)), k, v)
-        keys, values = self.storage.read(layer, (slice(None), slice(None), slice(0, end)), q.dtype)
-        return attend_cached(q, keys, values, start, kernel)
+        return [self.storage.at(layer, slice(0, end), start=start)]
 
     def advance(self, seq: int) -> None:
         self.length += seq

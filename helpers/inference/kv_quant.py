@@ -3,10 +3,11 @@
 Decoding reads the whole cache at every step, and at long contexts or large batches the cache, not the weights,
 fills the memory: storing it in int8 holds about twice the tokens of bf16 and four times those of fp32 in the
 same bytes. Each head's vector of head_dim numbers at one position gets its own symmetric absmax scale, fixed
-when the token is written (a per-channel scale, as KIVI uses for keys, would change as tokens arrive). The eager
-caches read it dequantized back to the compute dtype, a separate step before attention; the compiled decode step
-(`compiled_decode.decode_attention`) puts the scales on the scores and weights instead and reads the int8 numbers
-once.
+when the token is written (a per-channel scale, as KIVI uses for keys, would change as tokens arrive). Every cache
+hands attention the int8 numbers and their scales the same way (`cached_attention.KVRead`); most kernels read them
+dequantized back to the compute dtype, a separate step before attention, while a compiled decode step
+(`helpers.model.attention.decode_attention`) puts the scales on the scores and weights instead and reads the int8
+numbers once.
 """
 
 from __future__ import annotations

@@ -5,19 +5,20 @@ wasted, and a finished sequence's blocks are reused at once by any other sequenc
 
 Attention reads keys and values through the block table; the attention math itself is unchanged (scores are
 scaled by 1/sqrt(head_dim), never by the block size). `gather` copies a sequence's blocks into one tensor, the
-readable version of what a fused paged-attention kernel does in place.
+readable version of what a fused paged-attention kernel does in place; the model's attention backend reads them
+the same way unless it brings a paged kernel of its own (it is handed the flat slots, `KVRead.slots`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container, Hashable, Sequence
+from collections.abc import Container, Hashable, Sequence
 from typing import NamedTuple
 
 import torch
 
-from ..model.attention import sdpa_attention
-from .cached_attention import KVStorage, attend_cached
+from ..model.attention import IMPLEMENTATIONS
+from .cached_attention import KVRead, KVStorage
 from .prefix_cache import ROOT, PrefixIndex, PrefixMatch
 
 
@@ -247,33 +248,21 @@ class PagedKVCache:
         """Store k, v of shape (tokens, n_heads, head_dim) into the given flat slots of one layer."""
         self.storage.write(layer, slots, k, v)
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of one layer at the given flat slots: shape slots.shape + (n_heads, head_dim)."""
-        return self.storage.read(layer, slots)
-
     def gather(self, layer: int, seq_id: Hashable, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` keys and values of `seq_id` at one layer, read through its block table, as
-        (n_heads, length, head_dim) tensors."""
-        k, v = self.read(layer, self.slots(seq_id, 0, length))
-        return k.transpose(0, 1), v.transpose(0, 1)
+        (n_heads, length, head_dim) tensors in the cache's dtype."""
+        k, v = self.storage.at(layer, self.slots(seq_id, 0, length)[None]).read(self.dtype)
+        return k[0], v[0]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-           kernel: Callable[..., torch.Tensor] = sdpa_attention) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, backend: str = "sdpa") -> torch.Tensor:
     """One sequence's new queries q (heads, n, head_dim), positions start..start+n-1, over its keys and values
-    (heads, start+n, head_dim) gathered from its blocks: `cached_attention.attend_cached`, the rule of every cache.
+    (heads, start+n, head_dim) gathered from its blocks, with the attention `backend` (a name of
+    `helpers.model.attention.IMPLEMENTATIONS`) as over any cache.
 
     The same softmax(q k^T / sqrt(head_dim)) v as any attention: where k and v came from does not enter the math.
-    `kernel` is a masked attention kernel of `helpers.model.attention` (the model's own, in `PagedBatch`).
     """
-    return attend_cached(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), start, kernel)[0]
-
-
-def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-                  kernel: Callable[..., torch.Tensor] = sdpa_attention) -> torch.Tensor:
-    """One new token per sequence, batched: q (batch, heads, 1, head_dim) attends over k, v (batch, heads, L,
-    head_dim) where `valid` (batch, L) is False at the padding of sequences shorter than L."""
-    return kernel(q, k, v, attn_mask=valid[:, None, None, :], is_causal=False)
+    return IMPLEMENTATIONS[backend].attend(q.unsqueeze(0), KVRead(k.unsqueeze(0), v.unsqueeze(0), start=start))[0]
 
 
 class BatchRow(NamedTuple):
@@ -299,9 +288,9 @@ class PagedBatch:
     or partial prompt, or the newest token while decoding), concatenated into a single row of tokens.
 
     `rows` lists each chunk's BatchRow, one-token chunks first. The model runs its Linear
-    layers, LayerNorms and MLP on all tokens at once; its attention layers call `attend`, which stores each chunk's
-    keys and values in the sequence's blocks and attends over the sequence's cache: the one-token rows in one batched
-    call over their keys padded to the longest, longer chunks one by one.
+    layers, LayerNorms and MLP on all tokens at once; its attention layers call `update`, which stores each chunk's
+    keys and values in the sequence's blocks and says what each group of queries reads; the model's backend
+    attends: the one-token rows in one batched call over their keys padded to the longest, longer chunks one by one.
     """
 
     def __init__(self, cache: PagedKVCache, rows: list[BatchRow]) -> None:
@@ -328,23 +317,19 @@ class PagedBatch:
             raise ValueError(f"this PagedBatch holds {self.tokens} tokens, the input has {seq}")
         return self.pos
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """q, k, v: (1, heads, tokens, head_dim), the tokens of every chunk in a row."""
-        cache = self.cache
-        cache.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        q = q[0].transpose(0, 1)  # (tokens, heads, head_dim)
-        parts = []  # attention output (tokens, heads, head_dim), in row order
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[KVRead]:
+        """k, v: (1, kv_heads, tokens, head_dim), the tokens of every chunk in a row, stored in their slots. Each
+        group of queries reads its sequences' slots: the one-token rows together, padded to the longest, longer
+        chunks one by one."""
+        self.cache.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        storage = self.cache.storage
+        reads = []
         if self.decoding:
-            k_seq, v_seq = (t.transpose(1, 2) for t in cache.read(layer, self.decode_slots))
-            parts.append(attend_decode(q[: self.decoding].unsqueeze(2), k_seq, v_seq, self.decode_valid,
-                                       kernel).squeeze(2))
-        for chunk in self.chunks:
-            k_seq, v_seq = (t.transpose(0, 1) for t in cache.read(layer, chunk.slots))
-            rows = q[chunk.offset : chunk.offset + chunk.length].transpose(0, 1)
-            parts.append(attend(rows, k_seq, v_seq, chunk.start, kernel).transpose(0, 1))
-        y = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return y.transpose(0, 1).unsqueeze(0)
+            reads.append(storage.at(layer, self.decode_slots, allowed=self.decode_valid[:, None, None, :],
+                                    queries=slice(0, self.decoding), one_token_each=True))
+        reads += [storage.at(layer, chunk.slots[None], start=chunk.start,
+                             queries=slice(chunk.offset, chunk.offset + chunk.length)) for chunk in self.chunks]
+        return reads
 
     def advance(self, seq: int) -> None:
         """The engine tracks each sequence's progress itself (`num_computed`)."""

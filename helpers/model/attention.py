@@ -245,6 +245,71 @@ def _nn_mha_forward(m: CausalSelfAttention, x: torch.Tensor, dropout_p: float) -
     return mha(x, x, x, attn_mask=future, need_weights=False, is_causal=True)[0]
 
 
+# ---- attention over a KV cache: what a cache holds, read by the backend ----
+
+
+class CachedKV(Protocol):
+    """One layer's keys and values in a KV cache, as one attention call reads them: what the cache holds and how to
+    read it. Every cache hands these to the model (`KVCacheView.update`; `helpers.inference.cached_attention.KVRead`
+    builds them for the contiguous, paged and static caches); the model's backend attends over them
+    (`AttentionBackend.attend`).
+
+    `keys`, `values`: one layer's tensors as stored, in the compute dtype or int8 with a float32 scale per position
+    and head (`key_scales`, `value_scales`; None otherwise). `slots`: the positions each sequence reads, in order: a
+    slice of the position axis of (batch, kv_heads, positions, head_dim) tensors, or (batch, length) flat slot ids of
+    a paged cache's (slots, kv_heads, head_dim) tensors. Which of them a query sees: `allowed` (True = may attend,
+    broadcast to (batch, heads, queries, length)) where given, else the causal rule for queries at positions
+    `start`, `start` + 1, .... `static`: every slot is read at every step, those not written yet masked, so a
+    step's shapes never change (a compiled decode step). `queries`: the queries this read serves, a range of the
+    input's positions; `one_token_each`: those are one token of each of the read's sequences, side by side in one
+    row (the serving engine's decoding tokens), attended as a batch.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_scales: torch.Tensor | None
+    value_scales: torch.Tensor | None
+    slots: slice | torch.Tensor
+    start: int
+    allowed: torch.Tensor | None
+    static: bool
+    queries: slice
+    one_token_each: bool
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Keys, values and their scales (None unless int8) at `slots`, as stored: (batch, kv_heads, length, ...)."""
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at `slots` in `dtype`, (batch, kv_heads, length, head_dim): int8 dequantized."""
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                     key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """One new query per sequence, q (batch, heads, 1, head_dim), over a cache (batch, kv_heads, slots, head_dim)
+    where `allowed` (1, slots) is True, written as a multiply and a sum over the slots: compiled, each of the two
+    products is one loop over the cache, which reads every cached number once, whatever the grouping of heads.
+    An int8 cache passes its scales (batch, kv_heads, slots, 1): each slot's scale goes on its score and on its
+    weight instead of on its numbers, q·(s k) = s (q·k) and Σ p (s v) = Σ (p s) v, so the int8 numbers are
+    converted in registers as they are read, where dequantizing first writes a full-precision copy of the cache
+    that attention then reads again. Scores, softmax and sums in float32 at least."""
+    batch, heads, _, head_dim = q.shape
+    kv_heads = keys.size(1)
+    group = q.to(torch.promote_types(q.dtype, torch.float32)).view(batch, kv_heads, heads // kv_heads, 1, head_dim)
+    scores = (group * keys.unsqueeze(2)).sum(-1) / head_dim**0.5  # (batch, kv_heads, group, slots)
+    if key_scales is not None:
+        scores = scores * key_scales.squeeze(-1).unsqueeze(2)
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    if value_scales is not None:
+        weights = weights * value_scales.squeeze(-1).unsqueeze(2)
+    out = (weights.unsqueeze(-1) * values.unsqueeze(2)).sum(-2)  # (batch, kv_heads, group, head_dim)
+    return out.reshape(batch, heads, 1, head_dim).to(q.dtype)
+
+
+def causal_from(start: int, n: int, device: torch.device) -> torch.Tensor:
+    """True where query i, at position start + i, may see key j (positions 0 .. start + n - 1): j <= start + i."""
+    return torch.ones(n, start + n, dtype=torch.bool, device=device).tril(diagonal=start)
+
+
 # ---- the backends: each owns its limits; one registry ----
 
 
@@ -277,8 +342,10 @@ class AttentionBackend:
     A *kernel* backend defines `kernel(q, k, v, dropout_p=0.0[, attn_mask, is_causal])` and runs behind the module's
     own projection (which also does GQA, RoPE and QK-norm); a *layout* backend defines `layout(module, x, dropout_p)`
     and computes GPT-2's attention from the weight matrices itself. The rules of each kind are here, in
-    `unavailable_reason`; what only one backend cannot do is its `limits`. Adding a backend: one subclass, decorated
-    with `register`, and its tests.
+    `unavailable_reason`; what only one backend cannot do is its `limits`. Over a KV cache, whatever its layout
+    (contiguous, paged, static), the model asks `attend`: by default the `masked` kernel over the keys and values
+    read back in the queries' dtype; a backend with its own cached or paged kernel overrides `attend`. Adding a
+    backend: one subclass, decorated with `register`, and its tests.
     """
 
     name: str = ""
@@ -286,7 +353,7 @@ class AttentionBackend:
     kernel: Callable[..., torch.Tensor] | None = None
     layout: Callable[[CausalSelfAttention, torch.Tensor, float], torch.Tensor] | None = None
     supports_dropout: bool = True
-    masked: bool = False  # the kernel takes an explicit mask (True = may attend), which a KV cache needs
+    masked: bool = False  # the kernel takes an explicit mask (True = may attend), which `attend` over a KV cache needs
     transformers_name: str | None = None  # transformers' attn_implementation with the same kernel (the peer's)
 
     def __init__(self) -> None:
@@ -295,6 +362,33 @@ class AttentionBackend:
     def limits(self, call: AttentionCall) -> str | None:
         """Why this backend alone cannot serve `call` (device, dtype, backward...), or None."""
         return None
+
+    @property
+    def attends_caches(self) -> bool:
+        """Whether it can attend over a KV cache: with a kernel that takes a mask, or with its own `attend`."""
+        return self.masked or type(self).attend is not AttentionBackend.attend
+
+    def attend(self, q: torch.Tensor, kv: CachedKV) -> torch.Tensor:
+        """The queries q (batch, heads, n, head_dim) over what a KV cache holds for them (`CachedKV`); like q.
+
+        One query per sequence over a static cache (a compiled decode step) runs `decode_attention`, which the
+        compiler writes as two loops over the cache, reading an int8 cache as int8. Otherwise the cache is read
+        back in q's dtype and the kernel masks it: with the cache's `allowed` where it has one; else one new token
+        sees every key (no mask), a whole prompt the usual causal mask (so SDPA may pick its fastest kernel), a
+        chunk after cached positions an offset causal mask (`causal_from`). Override to bring a cached or paged
+        kernel of your own: `kv` has the tensors as stored (`kv.keys`, `kv.slots`, the int8 scales)."""
+        if kv.static and q.size(2) == 1:
+            keys, values, key_scales, value_scales = kv.stored()
+            return decode_attention(q, keys, values, kv.allowed, key_scales, value_scales)
+        keys, values = kv.read(q.dtype)
+        n = q.size(2)
+        if kv.allowed is not None:
+            return self.kernel(q, keys, values, attn_mask=kv.allowed, is_causal=False)
+        if n == 1:
+            return self.kernel(q, keys, values, is_causal=False)
+        if kv.start == 0:
+            return self.kernel(q, keys, values, is_causal=True)
+        return self.kernel(q, keys, values, attn_mask=causal_from(kv.start, n, q.device), is_causal=False)
 
     def unavailable_reason(self, call: AttentionCall) -> str | None:
         """Why this backend cannot serve `call`, or None when it can; it is never silently replaced by another."""
@@ -305,8 +399,8 @@ class AttentionBackend:
             return (f"{self.name} computes its projections from the full weight matrices itself, but tensor "
                     f"parallelism swaps the model's projection layers for sharded ones: use one of "
                     f"{', '.join(kernel_names())}")
-        if call.cached and not self.masked:
-            masked = ", ".join(name for name, b in IMPLEMENTATIONS.items() if b.masked)
+        if call.cached and not self.attends_caches:
+            masked = ", ".join(name for name, b in IMPLEMENTATIONS.items() if b.attends_caches)
             return (f"{self.name} computes causal attention over a square score matrix only, and a KV cache needs "
                     f"new queries against every cached key (an explicit mask): use one of {masked}")
         if call.dropout > 0.0 and not self.supports_dropout:
@@ -455,19 +549,33 @@ def unavailable_reason(name: str, call: AttentionCall) -> str | None:
 
 
 class KVCacheView(Protocol):
-    """A KV cache as one forward pass sees it (`helpers.inference.kv_cache.KVCache`, the serving engine's `PagedBatch`):
-    where the new tokens sit, and attention over what is cached. The model calls it; nothing else runs the layers."""
+    """A KV cache as one forward pass sees it (`helpers.inference.kv_cache.KVCache`, the serving engine's `PagedBatch`,
+    `helpers.inference.compiled_decode.StaticKVCache`): where the new tokens sit, and what it holds for attention.
+    The model calls it and attends with its own backend; nothing else runs the layers."""
 
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
         """Positions of the `seq` new tokens of each sequence (for the position embedding)."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """Store the new keys and values k, v (batch, heads, new, head_dim) of `layer`; return the attention of the
-        queries q over every key the cache holds for their sequences, computed with `kernel`."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[CachedKV]:
+        """Store the new keys and values k, v (batch, kv_heads, new, head_dim) of `layer`; return what the new
+        queries read: one `CachedKV` for all of them, or one per group (a ragged batch's decoding tokens, each
+        prefill chunk)."""
 
     def advance(self, seq: int) -> None:
         """Every layer has stored the `seq` new tokens: they are part of the cache from now on."""
+
+
+def attend_cache(backend: AttentionBackend, q: torch.Tensor, reads: list[CachedKV]) -> torch.Tensor:
+    """The queries q (batch, heads, seq, head_dim) over what a KV cache holds for them, through `backend`: each read
+    serves the queries it names, and the outputs go back in their order (a ragged batch's groups)."""
+    parts = []
+    for kv in reads:
+        rows = q[:, :, kv.queries]
+        if kv.one_token_each:  # (1, heads, n, head_dim): n sequences of one token each
+            parts.append(backend.attend(rows.transpose(0, 2), kv).transpose(0, 2))
+        else:
+            parts.append(backend.attend(rows, kv))
+    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
 
 class CausalSelfAttention(nn.Module):
@@ -532,8 +640,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCacheView | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x (batch, seq, d_in) -> (batch, seq, d_model). With a `cache`, the new keys and values are stored in it and
-        the queries attend over everything it holds (`cache.attend`), through this module's kernel. `rope`: the cos
-        and sin of the input's positions (`helpers.model.rope.rope_angles`), for RoPE models."""
+        the queries attend over everything it holds (`cache.update`), through this module's backend (`attend`).
+        `rope`: the cos and sin of the input's positions (`helpers.model.rope.rope_angles`), for RoPE models."""
         dropout_p = self.attn_dropout if self.training else 0.0
         backward = torch.is_grad_enabled() and (x.requires_grad or self.qkv.weight.requires_grad)
         # (autocast has no meta device: a memory plan, helpers.measure.memory_plan, replays the model there)
@@ -542,11 +650,11 @@ class CausalSelfAttention(nn.Module):
         impl = IMPLEMENTATIONS[self.attn_implementation]
         impl.check(AttentionCall(x.device, dtype, backward, dropout_p, cached=cache is not None,
                                  modern=rope is not None or not self.is_gpt2, reshapes=self.d_in != self.d_model))
-        if impl.layout is not None:
+        if impl.layout is not None and cache is None:
             return self.resid_dropout(impl.layout(self, x, dropout_p))
         q, k, v = self.project(x, rope)
         if cache is None:
             y = impl.kernel(q, k, v, dropout_p=dropout_p)
         else:
-            y = cache.attend(self.layer_idx, q, k, v, impl.kernel)
+            y = attend_cache(impl, q, cache.update(self.layer_idx, k, v))
         return self.resid_dropout(_merge_heads(self, y))
