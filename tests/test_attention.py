@@ -199,16 +199,50 @@ def test_gpu_benchmark_script_runs_in_smoke_mode(chapter_script, tmp_path):
     assert run["max_seq"]["sdpa"] == 128 and list(tmp_path.glob("attention_*.png"))
 
 
-def test_a_new_backend_is_one_class_and_runs_through_the_model_the_kv_cache_and_the_engine():
-    """A backend added as one registered class serves the model, `generate_with_cache` and the serving engine, and
-    its limits are asked before it runs: here a float64 softmax(QK^T)V written out, against the model on SDPA."""
+def float64_attention(q, k, v, dropout_p=0.0, attn_mask=None, is_causal=True):
+    """softmax(QK^T)V written out in float64, cast back: the kernel of the test backends below."""
+    scores = q.double() @ k.double().transpose(-2, -1) / q.size(-1) ** 0.5
+    if is_causal:
+        attn_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return (scores.softmax(-1) @ v.double()).to(q.dtype)
+
+
+@contextlib.contextmanager
+def registered(backend):
+    from helpers.model.attention import register
+
+    register(backend)
+    try:
+        yield backend
+    finally:
+        IMPLEMENTATIONS.pop(backend.name)
+
+
+TOY = GPTConfig(vocab_size=61, context_length=24, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
+
+
+def toy_and_reference(name, dtype=torch.float32):
+    """A model on the backend `name` and the same weights on SDPA, with two prompts of 9 tokens."""
+    torch.manual_seed(0)
+    reference = GPT(TOY).to(dtype).eval()
+    toy = GPT(TOY, attn_implementation=name).to(dtype).eval()
+    toy.load_state_dict(reference.state_dict())
+    return toy, reference, torch.randint(TOY.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+def test_a_new_backend_is_one_class_and_runs_through_the_model_the_kv_cache_the_engine_and_the_compiled_decoder():
+    """A backend added as one registered class serves the model, `generate_with_cache`, the serving engine and the
+    compiled decoder's static cache, and its limits are asked before it runs: here a float64 softmax(QK^T)V written
+    out, against the model on SDPA."""
+    from helpers.inference.compiled_decode import CompiledDecoder
     from helpers.inference.kv_cache import generate_with_cache
     from helpers.inference.serving import Request, serve
-    from helpers.model.attention import AttentionBackend, register
+    from helpers.model.attention import AttentionBackend
 
     calls = []
 
-    @register
     class Float64Attention(AttentionBackend):
         name, description = "float64_toy", "softmax(QK^T)V in float64, cast back (a test's backend)"
         masked = True
@@ -216,23 +250,13 @@ def test_a_new_backend_is_one_class_and_runs_through_the_model_the_kv_cache_and_
         @staticmethod
         def kernel(q, k, v, dropout_p=0.0, attn_mask=None, is_causal=True):
             calls.append((q.size(-2), k.size(-2), is_causal))
-            scores = q.double() @ k.double().transpose(-2, -1) / q.size(-1) ** 0.5
-            if is_causal:
-                attn_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
-            if attn_mask is not None:
-                scores = scores.masked_fill(~attn_mask, float("-inf"))
-            return (scores.softmax(-1) @ v.double()).to(q.dtype)
+            return float64_attention(q, k, v, dropout_p, attn_mask, is_causal)
 
         def limits(self, call):
             return "this toy has no backward pass" if call.backward else None
 
-    try:
-        config = GPTConfig(vocab_size=61, context_length=24, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
-        torch.manual_seed(0)
-        reference = GPT(config).eval()
-        toy = GPT(config, attn_implementation="float64_toy").eval()
-        toy.load_state_dict(reference.state_dict())
-        idx = torch.randint(config.vocab_size, (2, 9))
+    with registered(Float64Attention):
+        toy, reference, idx = toy_and_reference("float64_toy")
         with torch.no_grad():
             torch.testing.assert_close(toy(idx), reference(idx), rtol=1e-5, atol=1e-5)
             expected = reference.generate(idx, 6)
@@ -243,11 +267,88 @@ def test_a_new_backend_is_one_class_and_runs_through_the_model_the_kv_cache_and_
             run = serve(toy, [Request(i, tuple(row.tolist()), 6) for i, row in enumerate(idx)], max_batch=2,
                         block_size=4)
             assert (9, 9, True) in calls and (1, 14, False) in calls  # prefill, then the last token over 14 cached
+            calls.clear()
+            assert torch.equal(CompiledDecoder(toy, 2, 15, compile=False).generate(idx, 6), expected)
+            assert calls == [(9, 15, False)] * TOY.n_layers  # the prompt over the static cache; decode steps attend
+            # with decode_attention, the default over a static cache for a backend without its own cached kernel
         assert [list(idx[i]) + c.tokens for i, c in enumerate(run.completions)] == expected.tolist()
         with pytest.raises(RuntimeError, match="'float64_toy' cannot run here: this toy has no backward pass"):
             toy.train()(idx)
-    finally:
-        IMPLEMENTATIONS.pop("float64_toy")
+
+
+def own_cached_kernel_backend(calls):
+    """A backend that brings its own kernel for attention over a KV cache, whatever the cache: float64 attention over
+    what the cache holds for each read (`kv.read`: through a paged cache's slots, an int8 cache dequantized), with the
+    cache's mask or the causal rule from `kv.start`; each call recorded in `calls` as (which cache, queries). Its
+    kernel for attention without a cache takes no mask (`masked` stays False): its own `attend` serves the caches."""
+    from helpers.model.attention import AttentionBackend, causal_from
+
+    class OwnCachedKernel(AttentionBackend):
+        name, description = "own_cached_toy", "its own float64 attention over a KV cache (a test's backend)"
+        supports_dropout = False
+
+        @staticmethod
+        def kernel(q, k, v, dropout_p=0.0):
+            return float64_attention(q, k, v)
+
+        def attend(self, q, kv):
+            keys, values = kv.read(torch.float64)
+            allowed = kv.allowed if kv.allowed is not None else causal_from(kv.start, q.size(2), q.device)
+            held = "paged" if isinstance(kv.slots, torch.Tensor) else "static" if kv.static else "contiguous"
+            calls.append((held, q.size(2)))
+            return float64_attention(q, keys, values, attn_mask=allowed, is_causal=False)
+
+    return OwnCachedKernel
+
+
+def test_a_backend_with_its_own_cached_kernel_is_one_class_for_every_cache():
+    """The eager KV cache (in the compute dtype and in int8), the paged engine and the compiled decoder's static cache
+    all attend through the backend's own `attend`: the tokens of the model on SDPA, and its calls seen."""
+    from helpers.inference.compiled_decode import CompiledDecoder
+    from helpers.inference.kv_cache import generate_with_cache
+    from helpers.inference.serving import Request, serve
+    from helpers.model.attention import AttentionBackend
+
+    calls = []
+    backend = own_cached_kernel_backend(calls)
+    with registered(backend):
+        toy, reference, idx = toy_and_reference("own_cached_toy", torch.float64)
+        with torch.no_grad():
+            expected = reference.generate(idx, 6)
+            assert torch.equal(generate_with_cache(toy, idx, 6), expected)
+            assert {("contiguous", 9), ("contiguous", 1)} == set(calls)
+            int8 = generate_with_cache(reference, idx, 6, kv_cache_dtype="int8")
+            assert torch.equal(generate_with_cache(toy, idx, 6, kv_cache_dtype="int8"), int8)
+            calls.clear()
+            run = serve(toy, [Request(i, tuple(row.tolist()), 6) for i, row in enumerate(idx)], max_batch=2,
+                        block_size=4)
+            assert [list(idx[i]) + c.tokens for i, c in enumerate(run.completions)] == expected.tolist()
+            assert {("paged", 9), ("paged", 1)} == set(calls)  # the prompts' chunks, the decoding tokens batched
+            calls.clear()
+            assert torch.equal(CompiledDecoder(toy, 2, 15, compile=False).generate(idx, 6), expected)
+            assert {("static", 9), ("static", 1)} == set(calls)
+        cached = AttentionCall("cpu", torch.float64, cached=True)
+        assert unavailable_reason("own_cached_toy", cached) is None
+
+        class WithoutItsAttend(backend):  # the same kernel, which takes no mask, and the default `attend`
+            attend = AttentionBackend.attend
+
+        assert "a KV cache needs new queries against every cached key" in WithoutItsAttend().unavailable_reason(cached)
+
+
+@pytest.mark.compile
+def test_the_compiled_decoder_attends_with_the_models_backend_from_the_registry():
+    """Compiled, the decode step is traced through the backend's own `attend` (one query over the static cache) and
+    gives the tokens of the model on SDPA."""
+    from helpers.inference.compiled_decode import CompiledDecoder
+
+    calls = []
+    torch.compiler.reset()
+    with registered(own_cached_kernel_backend(calls)):
+        toy, reference, idx = toy_and_reference("own_cached_toy", torch.float64)
+        decoder = CompiledDecoder(toy, 2, 15)
+        assert torch.equal(decoder.generate(idx, 6), reference.generate(idx, 6))
+        assert ("static", 1) in calls
 
 
 def test_a_backend_the_forward_pass_cannot_use_is_refused_when_registered():

@@ -7,15 +7,14 @@ model's attention backend attends over it (`helpers.model.attention.AttentionBac
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from .kv_quant import SCALE_DTYPE, dequantize_kv, quantize_kv
 
 
-@dataclass(frozen=True)
-class KVRead:
+class KVRead(NamedTuple):
     """One layer's keys and values as one attention call reads them (the `CachedKV` of `helpers.model.attention`,
     where each field is described): the tensors as stored, the positions read (`slots`), and which of them each
     query may see (`start`, `allowed`). Reading is the same for every cache: `stored` picks the positions, `read`
@@ -25,28 +24,32 @@ class KVRead:
     values: torch.Tensor
     key_scales: torch.Tensor | None = None
     value_scales: torch.Tensor | None = None
-    slots: slice | torch.Tensor = field(default_factory=lambda: slice(None))
+    slots: slice | torch.Tensor = slice(None)
     start: int = 0
     allowed: torch.Tensor | None = None
     static: bool = False
-    queries: slice = field(default_factory=lambda: slice(None))
+    queries: slice | None = None
     one_token_each: bool = False
 
     def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Keys, values and scales (None unless int8) at `slots`, as stored, (batch, kv_heads, length, ...): a view
         of a contiguous cache, a gather through a paged cache's slots."""
+        tensors = (self.keys, self.values) if self.key_scales is None else \
+            (self.keys, self.values, self.key_scales, self.value_scales)
         if isinstance(self.slots, slice):
-            return tuple(None if t is None else t[:, :, self.slots]
-                         for t in (self.keys, self.values, self.key_scales, self.value_scales))
-        return tuple(None if t is None else t[self.slots].transpose(1, 2)
-                     for t in (self.keys, self.values, self.key_scales, self.value_scales))
+            picked = [t[:, :, self.slots] for t in tensors]
+        else:
+            picked = [t[self.slots].transpose(1, 2) for t in tensors]
+        return (*picked, None, None) if self.key_scales is None else tuple(picked)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at `slots` in `dtype`, (batch, kv_heads, length, head_dim); int8 dequantized."""
         keys, values, key_scales, value_scales = self.stored()
-        if key_scales is None:
+        if key_scales is not None:
+            return dequantize_kv(keys, key_scales, dtype), dequantize_kv(values, value_scales, dtype)
+        if keys.dtype != dtype:
             return keys.to(dtype), values.to(dtype)
-        return dequantize_kv(keys, key_scales, dtype), dequantize_kv(values, value_scales, dtype)
+        return keys, values
 
 
 class KVStorage:

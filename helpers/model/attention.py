@@ -261,8 +261,8 @@ class CachedKV(Protocol):
     broadcast to (batch, heads, queries, length)) where given, else the causal rule for queries at positions
     `start`, `start` + 1, .... `static`: every slot is read at every step, those not written yet masked, so a
     step's shapes never change (a compiled decode step). `queries`: the queries this read serves, a range of the
-    input's positions; `one_token_each`: those are one token of each of the read's sequences, side by side in one
-    row (the serving engine's decoding tokens), attended as a batch.
+    input's positions (None: all of them); `one_token_each`: those are one token of each of the read's sequences,
+    side by side in one row (the serving engine's decoding tokens), attended as a batch.
     """
 
     keys: torch.Tensor
@@ -273,7 +273,7 @@ class CachedKV(Protocol):
     start: int
     allowed: torch.Tensor | None
     static: bool
-    queries: slice
+    queries: slice | None
     one_token_each: bool
 
     def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -570,7 +570,7 @@ def attend_cache(backend: AttentionBackend, q: torch.Tensor, reads: list[CachedK
     serves the queries it names, and the outputs go back in their order (a ragged batch's groups)."""
     parts = []
     for kv in reads:
-        rows = q[:, :, kv.queries]
+        rows = q if kv.queries is None else q[:, :, kv.queries]
         if kv.one_token_each:  # (1, heads, n, head_dim): n sequences of one token each
             parts.append(backend.attend(rows.transpose(0, 2), kv).transpose(0, 2))
         else:
