@@ -12,7 +12,8 @@ name, so the same weights can run (and be compared, timed and measured) under ea
 
 Each is an `AttentionBackend` that owns its limits: one that cannot run for a given device, dtype or
 use says why (`IMPLEMENTATIONS[name].unavailable_reason(AttentionCall(...))`); it is never silently
-replaced by another.
+replaced by another. It also owns attention over a KV cache (`AttentionBackend.attend`), whatever holds the keys
+and values: each cache says what it holds and how to read it (`CachedKV`).
 """
 
 from __future__ import annotations
@@ -400,9 +401,9 @@ class AttentionBackend:
                     f"parallelism swaps the model's projection layers for sharded ones: use one of "
                     f"{', '.join(kernel_names())}")
         if call.cached and not self.attends_caches:
-            masked = ", ".join(name for name, b in IMPLEMENTATIONS.items() if b.attends_caches)
+            able = ", ".join(name for name, b in IMPLEMENTATIONS.items() if b.attends_caches)
             return (f"{self.name} computes causal attention over a square score matrix only, and a KV cache needs "
-                    f"new queries against every cached key (an explicit mask): use one of {masked}")
+                    f"new queries against every cached key (an explicit mask): use one of {able}")
         if call.dropout > 0.0 and not self.supports_dropout:
             return f"{self.name} has no attention dropout: use dropout=0.0, or 'sdpa'"
         return self.limits(call)
