@@ -14,8 +14,8 @@ from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
 from helpers.training.lora import (
     LoRALinear,
-    add_lora,
     adapter_state_dict,
+    add_lora,
     load_adapter,
     lora_layers,
     merge_lora,
