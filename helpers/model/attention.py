@@ -644,7 +644,7 @@ class CausalSelfAttention(nn.Module):
         the queries attend over everything it holds (`cache.update`), through this module's backend (`attend`).
         `rope`: the cos and sin of the input's positions (`helpers.model.rope.rope_angles`), for RoPE models."""
         dropout_p = self.attn_dropout if self.training else 0.0
-        backward = torch.is_grad_enabled() and (x.requires_grad or self.qkv.weight.requires_grad)
+        backward = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.qkv.parameters()))
         # (autocast has no meta device: a memory plan, helpers.measure.memory_plan, replays the model there)
         autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
