@@ -6,6 +6,7 @@ RoPE for the position table, grouped-query attention, SwiGLU, no biases, QK-norm
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -89,6 +90,31 @@ class GPT(nn.Module):
         check_attn_implementation(name)
         for block in self.blocks:
             block.attn.attn_implementation = name
+        return self
+
+    def resize_vocabulary(self, vocab_size: int) -> GPT:
+        """Grow the token embedding (and an untied LM head) to `vocab_size` rows, for tokens added to the tokenizer
+        (the chat markers, `helpers.text.chat`). Each new row starts at the mean of the others, so a new token's
+        logit starts among the known ones' rather than anywhere; the known tokens' rows, and so their logits, do not
+        change. In place; the config says the new size."""
+        old = self.config.vocab_size
+        if not isinstance(vocab_size, int) or vocab_size < old:
+            raise ValueError(f"vocab_size must be an integer of at least the model's {old}, got {vocab_size!r}: "
+                             "removing rows would drop tokens the model knows")
+
+        def grown(weight: torch.Tensor) -> torch.Tensor:
+            return torch.cat([weight, weight.mean(0, keepdim=True).expand(vocab_size - old, -1)]).detach()
+
+        with torch.no_grad():
+            self.tok_emb = nn.Embedding.from_pretrained(grown(self.tok_emb.weight), freeze=False)
+            head = grown(self.lm_head.weight) if not self.config.tie_weights else None
+            self.lm_head = nn.Linear(self.config.d_model, vocab_size, bias=False, device=self.tok_emb.weight.device,
+                                     dtype=self.tok_emb.weight.dtype)
+            if head is None:
+                self.lm_head.weight = self.tok_emb.weight
+            else:
+                self.lm_head.weight.copy_(head)
+        self.config = dataclasses.replace(self.config, vocab_size=vocab_size)
         return self
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
