@@ -117,3 +117,9 @@ def packed_batch(examples: Sequence[ChatExample], length: int, pad_id: int) -> t
             inputs[r, at : at + x.numel()], targets[r, at : at + y.numel()] = x, y
             at += x.numel()
     return inputs, targets
+
+
+def exchange_batches(examples: Sequence[ChatExample], batch_size: int, pad_id: int) -> list[tuple[torch.Tensor,
+                                                                                              torch.Tensor]]:
+    """The examples in order, `batch_size` to a padded batch: fixed validation batches (a Trainer's `val`)."""
+    return [padded_batch(examples[i : i + batch_size], pad_id) for i in range(0, len(examples), batch_size)]

@@ -24,7 +24,7 @@ from ..system.device import (
     synchronize,
 )
 from ..system.files import cache_dir
-from ..text.data import NextTokenDataset
+from .batches import Batches, ShuffledBatches, evaluation_windows
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .lr_schedule import check_schedule, learning_rate
 from .precision import check_precision_name, resolve_precision
@@ -72,59 +72,6 @@ class TrainConfig:
             raise ValueError(f"grad_clip must be positive or None, got {self.grad_clip}")
 
 
-class ShuffledBatches:
-    """Epochs of shuffled, non-overlapping context windows. Its position (epoch, batch index) is saved with a
-    checkpoint, so a resumed run sees exactly the batches the uninterrupted run would have seen."""
-
-    def __init__(self, ids: torch.Tensor, batch_size: int, context_length: int, seed: int = 0) -> None:
-        self.dataset = NextTokenDataset(ids, context_length)
-        if len(self.dataset) < batch_size:
-            raise ValueError(f"{len(self.dataset)} windows of {context_length} tokens cannot fill one batch of "
-                             f"{batch_size}; use a smaller batch or context, or more text")
-        self.batch_size, self.seed = batch_size, seed
-        # which tokens these are: a checkpoint resumes (or stands in for) a run only on the same text
-        self.tokens_sha256 = hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()
-        self.batches_per_epoch = len(self.dataset) // batch_size  # the remainder is dropped each epoch
-        self.epoch, self.index = 0, 0
-        self._order = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.index == self.batches_per_epoch:
-            self.epoch, self.index = self.epoch + 1, 0
-            self._order = self._permutation(self.epoch)
-        chosen = self._order[self.index * self.batch_size : (self.index + 1) * self.batch_size]
-        self.index += 1
-        return _stack_windows(self.dataset, chosen)
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "batch_size": self.batch_size,
-                "windows": len(self.dataset), "tokens_sha256": self.tokens_sha256}
-
-    def load_state_dict(self, state: dict) -> None:
-        mine = self.state_dict()
-        for key in ("seed", "batch_size", "windows", "tokens_sha256"):
-            if state.get(key, mine[key]) != mine[key]:  # (checkpoints before the digest lack it)
-                raise CheckpointError(f"the checkpoint's data order has {key} = {state[key]}, this run {mine[key]}: "
-                                      "resume with the same data, batch_size and seed")
-        self.epoch, self.index = state["epoch"], state["index"]
-        self._order = self._permutation(self.epoch)
-
-
-def evaluation_windows(ids: torch.Tensor, context_length: int, n_windows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same `n_windows` windows, evenly spread over the validation text, at every evaluation."""
-    dataset = NextTokenDataset(ids, context_length)
-    picks = torch.linspace(0, len(dataset) - 1, min(n_windows, len(dataset))).long().unique()
-    return _stack_windows(dataset, picks)
-
-
-def _stack_windows(dataset: NextTokenDataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    windows = [dataset[int(i)] for i in indices]
-    return torch.stack([x for x, _ in windows]), torch.stack([y for _, y in windows])
-
-
 def _rng_states() -> dict:
     states = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -150,8 +97,12 @@ def make_optimizer(model: nn.Module, config: TrainConfig, fused: bool | None = N
 
 
 class Trainer:
-    """Trains a `helpers.GPT` on a token stream; `fit()` runs to `config.steps` (or fewer), `save()`/`load()`
-    checkpoint and resume, `history` holds the curves and samples.
+    """Trains a `helpers.GPT`; `fit()` runs to `config.steps` (or fewer), `save()`/`load()` checkpoint and resume,
+    `history` holds the curves and samples.
+
+    train: a token stream (its windows served by `ShuffledBatches`) or any `helpers.training.batches.Batches`
+    (chat exchanges: `ExchangeBatches`). val: a token stream (`config.eval_batches` batches of its windows), a list
+    of (x, y) batches (`helpers.text.chat.exchange_batches`), or None.
 
     loss: what each step minimises (`helpers.training.step`: next-token cross-entropy `FULL` by default, computed
     whole or `ChunkedLoss`; `DistillationLoss` from a teacher; or your own, as that module says). Validation
@@ -167,7 +118,8 @@ class Trainer:
     def scaler(self, scaler: torch.amp.GradScaler) -> None:
         self.training_step.scaler = scaler
 
-    def __init__(self, model: nn.Module, train_ids: torch.Tensor, val_ids: torch.Tensor | None, config: TrainConfig,
+    def __init__(self, model: nn.Module, train: torch.Tensor | Batches,
+                 val: torch.Tensor | list[tuple[torch.Tensor, torch.Tensor]] | None, config: TrainConfig,
                  tokenizer=None, fused_adamw: bool | None = None, loss: Loss = FULL) -> None:
         self.config = config
         self.device = torch.device(config.device or default_device_type())
@@ -180,9 +132,16 @@ class Trainer:
         self.loss = loss
         self.training_step = TrainingStep(self.model, self.optimizer, loss=loss, autocast=self.precision.dtype,
                                           grad_clip=config.grad_clip, measure_grad_norm=True)
-        self.batches = ShuffledBatches(train_ids, config.batch_size, self.context_length, config.seed)
-        self.val = None if val_ids is None else evaluation_windows(
-            val_ids, self.context_length, config.eval_batches * config.batch_size)
+        if isinstance(train, torch.Tensor):
+            train = ShuffledBatches(train, config.batch_size, self.context_length, config.seed)
+        if train.batch_size != config.batch_size:
+            raise ValueError(f"the batches hold {train.batch_size} examples each but config.batch_size is "
+                             f"{config.batch_size}: make them agree")
+        self.batches = train
+        if isinstance(val, torch.Tensor):
+            x, y = evaluation_windows(val, self.context_length, config.eval_batches * config.batch_size)
+            val = list(zip(x.split(config.batch_size), y.split(config.batch_size), strict=True))
+        self.val = val
         self.step = 0
         self.history: dict[str, list] = {key: [] for key in (
             "step", "loss", "lr", "grad_norm", "tokens_per_s", "val_step", "val_loss", "samples")}
@@ -195,6 +154,7 @@ class Trainer:
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens an optimizer step reads from a token stream (chat batches: at most this, padding included)."""
         return self.config.batch_size * self.config.grad_accum_steps * self.context_length
 
     def train_step(self) -> dict:
@@ -204,6 +164,7 @@ class Trainer:
         micro = [tuple(t.to(self.device, non_blocking=True) for t in self.batches.next())
                  for _ in range(self.config.grad_accum_steps)]
         lr = self.optimizer.param_groups[0]["lr"]
+        tokens = sum(x.numel() for x, _ in micro)
         result = self.training_step(micro)
         loss, grad_norm = result.loss, result.grad_norm
         if result.stepped:  # the schedule counts updates: a step the GradScaler skipped moves neither
@@ -211,22 +172,21 @@ class Trainer:
         self.step += 1
         synchronize(self.device)
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": self.tokens_per_step / (time.perf_counter() - start)}
+                  "tokens_per_s": tokens / (time.perf_counter() - start)}
         for key, value in record.items():
             self.history[key].append(value)
         return record
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean token loss on the fixed validation windows (no dropout)."""
+        """Mean loss per target token on the fixed validation batches (no dropout)."""
         if self.val is None:
-            raise ValueError("this Trainer has no validation data; pass val_ids")
+            raise ValueError("this Trainer has no validation data; pass val")
         was_training = self.model.training
         self.model.eval()
         total, count = 0.0, 0
-        x_all, y_all = self.val
-        for i in range(0, len(x_all), self.config.batch_size):
-            x, y = x_all[i : i + self.config.batch_size].to(self.device), y_all[i : i + self.config.batch_size]
+        for x, y in self.val:
+            x = x.to(self.device)
             with self.precision.autocast():
                 logits = self.model(x)
             total += token_loss_sum(logits, y.to(self.device)).item()
