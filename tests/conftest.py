@@ -57,6 +57,7 @@ MODULE_MARKERS = {
     "test_train_bench": ("versions",),  # torch.compile, transformers' GPT-2 as the peer
     "test_virtual_device": ("versions",),  # dispatch and function modes, wrapper subclasses, swapped parameters
     "test_weights": ("versions",),  # transformers' GPT2LMHeadModel
+    "test_moe": ("versions",),  # torch._grouped_mm where it exists, FlopCounterMode, torch.compile
     "test_parts": ("versions",),  # transformers' GPT-2 and Llama, FlopCounterMode, DTensor
     "test_server": ("versions",),  # FastAPI, Starlette, uvicorn, the openai client, transformers' tokenizer
     "test_chat_page": ("versions",),  # Playwright and Chromium

@@ -63,7 +63,7 @@ def test_invalid_configs_say_what_is_wrong(fields, message):
 def test_ffn_type_is_validated_and_gpt2_presets_stay_gelu():
     assert {GPTConfig.from_preset(name).ffn_type for name in GPT2_PARAMETERS} == {"gelu"}
     assert GPTConfig.from_preset("gpt-smoke", ffn_type="swiglu").ffn_type == "swiglu"
-    with pytest.raises(ValueError, match="unknown GPTConfig.ffn_type 'relu'; valid types: gelu, swiglu"):
+    with pytest.raises(ValueError, match="unknown GPTConfig.ffn_type 'relu'; valid types: gelu, swiglu, moe"):
         GPTConfig(ffn_type="relu")
 
 

@@ -34,7 +34,7 @@ def test_a_type_is_a_choice_only_while_registered():
         assert GPTConfig(ffn_type=name).ffn_type == name
         assert config_from_flags(["--ffn", name]).ffn_type == name
     assert name not in FEED_FORWARDS
-    with pytest.raises(ValueError, match=f"unknown GPTConfig.ffn_type '{name}'; valid types: gelu, swiglu"):
+    with pytest.raises(ValueError, match=f"unknown GPTConfig.ffn_type '{name}'; valid types: gelu, swiglu, moe"):
         GPTConfig(ffn_type=name)
 
 

@@ -253,17 +253,22 @@ def _sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs)
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
-def _flop_counter_missed() -> dict:
-    """Attention kernels FlopCounterMode has no formula for: the CPU flash kernel, MPS and backend-extension ones.
+def _grouped_mm(mat_a, mat_b, *args, out_shape=None, **kwargs) -> int:
+    """Rows (S, in) against per-group weights (groups, in, out): each row meets one group's matrix."""
+    return 2 * mat_a[0] * mat_a[1] * mat_b[-1]
 
-    Their formulas are those PyTorch uses for the CUDA flash kernel (the backward one includes recomputing Q·Kᵀ).
-    """
+
+def _flop_counter_missed() -> dict:
+    """Kernels FlopCounterMode has no formula for: the CPU flash-attention kernel, MPS and backend-extension ones
+    (their formulas are those PyTorch uses for the CUDA flash kernel, the backward one including recomputing Q·Kᵀ),
+    and the grouped matrix product of a Mixture-of-Experts layer (`helpers.model.moe`)."""
     aten = torch.ops.aten
     names = {"_scaled_dot_product_flash_attention_for_cpu": _sdpa_forward,
              "_scaled_dot_product_flash_attention_for_cpu_backward": _sdpa_backward,
              "_scaled_dot_product_attention_math_for_mps": _sdpa_forward,
              "_scaled_dot_product_fused_attention_overrideable": _sdpa_forward,
-             "_scaled_dot_product_fused_attention_overrideable_backward": _sdpa_backward}
+             "_scaled_dot_product_fused_attention_overrideable_backward": _sdpa_backward,
+             "_grouped_mm": _grouped_mm}
     return {getattr(aten, name): formula for name, formula in names.items() if hasattr(aten, name)}
 
 

@@ -3,3 +3,5 @@
 Also FlashAttention from scratch in PyTorch and Triton, the decoding rules, and GPT-2 weights in the
 Hugging Face layout.
 """
+
+from . import moe as moe  # registers ffn_type="moe" before any config names it

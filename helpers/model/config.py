@@ -9,6 +9,7 @@ from .feed_forward import FEED_FORWARDS
 
 GPT2_VOCAB_SIZE = 50257
 NORMS = ("layernorm", "rmsnorm")  # GPT-2's LayerNorm; LLaMA's RMSNorm (no mean, no bias)
+MOE_ROUTERS = ("softmax_topk", "topk_softmax")  # helpers.model.moe.route
 POSITION_ENCODINGS = ("learned", "rope")  # GPT-2's learned absolute table; rotary embeddings (RoFormer, LLaMA)
 
 
@@ -37,9 +38,16 @@ class GPTConfig:
     head_size: int | None = None  # per-head width when it is not d_model / n_heads (Qwen3: 128 at any width)
     qk_norm: bool = False  # RMSNorm on each head's queries and keys before RoPE (Qwen3, Gemma 3)
     ffn_hidden: int | None = None  # feed-forward hidden width: None = 4d (GELU) or ~8d/3 (SwiGLU)
+    # ---- Mixture-of-Experts (ffn_type="moe", helpers.model.moe); each expert is a SwiGLU ffn_hidden wide ----
+    n_experts: int = 8
+    experts_per_token: int = 2  # k: the experts each token runs through
+    moe_router: str = "softmax_topk"  # "softmax_topk" (Switch, DeepSeek, Qwen3-MoE) or "topk_softmax" (Mixtral)
+    shared_expert: bool = False  # one more expert every token runs (DeepSeek, Qwen2-MoE)
+    capacity_factor: float | None = None  # an expert takes at most factor · tokens · k / n_experts slots; None: all
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "context_length", "d_model", "n_heads", "n_layers"):
+        for name in ("vocab_size", "context_length", "d_model", "n_heads", "n_layers", "n_experts",
+                     "experts_per_token"):
             _check_positive(name, getattr(self, name))
         for name in ("n_kv_heads", "head_size", "ffn_hidden"):
             if getattr(self, name) is not None:
@@ -57,6 +65,13 @@ class GPTConfig:
         for name, valid in (("ffn_type", FEED_FORWARDS), ("norm", NORMS), ("position_encoding", POSITION_ENCODINGS)):
             if getattr(self, name) not in valid:
                 raise ValueError(f"unknown GPTConfig.{name} {getattr(self, name)!r}; valid types: {', '.join(valid)}")
+        if self.experts_per_token > self.n_experts:
+            raise ValueError(f"GPTConfig.experts_per_token ({self.experts_per_token}) cannot exceed n_experts "
+                             f"({self.n_experts})")
+        if self.moe_router not in MOE_ROUTERS:
+            raise ValueError(f"unknown GPTConfig.moe_router {self.moe_router!r}; valid: {', '.join(MOE_ROUTERS)}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"GPTConfig.capacity_factor must be positive or None, got {self.capacity_factor!r}")
         if not self.norm_eps > 0 or not self.rope_theta > 0:
             raise ValueError(f"GPTConfig.norm_eps and rope_theta must be positive, got {self.norm_eps!r} and "
                              f"{self.rope_theta!r}")

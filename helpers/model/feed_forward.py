@@ -77,7 +77,7 @@ class FeedForwardPart(nn.Module, ABC):
     * `matmuls(config)` and `elementwise(config)`: its operations per token (FLOPs, roofline);
     * `tensor_parallel`: each Linear layer's `Split`, by attribute name;
     * `hf_layouts`: its weight names in Hugging Face's "gpt2" and/or "llama" layout;
-    * `residual_projections()`: the layers that write into the residual stream (GPT-2 scales their initialisation).
+    * `residual_weights()`: the weights that write into the residual stream (GPT-2 scales their initialisation).
     """
 
     name: ClassVar[str]
@@ -97,7 +97,7 @@ class FeedForwardPart(nn.Module, ABC):
     def elementwise(cls, config: GPTConfig) -> list[Elementwise]: ...
 
     @abstractmethod
-    def residual_projections(self) -> list[nn.Linear]: ...
+    def residual_weights(self) -> list[torch.Tensor]: ...
 
 
 FEED_FORWARDS: dict[str, type[FeedForwardPart]] = {}  # GPTConfig.ffn_type -> class, in registration order
@@ -161,8 +161,8 @@ class TwoLayerFeedForward(FeedForwardPart):
         hidden = cls.hidden_dim(config)
         return [Matmul("feed-forward up", config.d_model, hidden), Matmul("feed-forward down", hidden, config.d_model)]
 
-    def residual_projections(self) -> list[nn.Linear]:
-        return [self.proj]
+    def residual_weights(self) -> list[torch.Tensor]:
+        return [self.proj.weight]
 
 
 @register_feed_forward
@@ -240,5 +240,5 @@ class SwiGLUFeedForward(FeedForwardPart):
     def elementwise(cls, config: GPTConfig) -> list[Elementwise]:
         return [Elementwise("SiLU(gate) · up", 5, cls.hidden_dim(config), silu_gate, inputs=2)]
 
-    def residual_projections(self) -> list[nn.Linear]:
-        return [self.proj]
+    def residual_weights(self) -> list[torch.Tensor]:
+        return [self.proj.weight]

@@ -71,8 +71,8 @@ class GPT(nn.Module):
         # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 * n_layers),
         # so the residual's variance does not grow with depth.
         for block in self.blocks:
-            for proj in (block.attn.out_proj, *block.mlp.residual_projections()):
-                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layers))
+            for weight in (block.attn.out_proj.weight, *block.mlp.residual_weights()):
+                nn.init.normal_(weight, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layers))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -16,7 +16,9 @@ whole distribution. The usual others are a few lines each:
 - a masked loss (instruction tuning: learn the answers, not the prompts): no new loss, set the prompt's targets to
   IGNORE_INDEX and `FullLoss` skips them;
 - a loss plus an auxiliary term (a router's balancing loss): return `base(model, x, y) + weight * aux * n`, where `n`
-  is the micro-batch's target tokens, so that the step's division leaves `weight * aux` per token.
+  is the micro-batch's target tokens, so that the step's division leaves `weight * aux` per token (`RouterLoss`).
+A loss with an `after_step(model)` method has it called after each optimizer step that was taken (`RouterLoss`
+nudges the routers' balancing biases there).
 The `Trainer` takes the same `loss=`.
 """
 
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.lm_head import IGNORE_INDEX
+from ..model.moe import moe_layers, update_router_bias
 from ..system.device import needs_grad_scaler
 
 
@@ -156,6 +159,31 @@ class DistillationLoss:
         return token_kl(logits, target)[y != IGNORE_INDEX].sum()
 
 
+@dataclass(frozen=True)
+class RouterLoss:
+    """A Mixture-of-Experts model's loss: `base` plus, per target token, `balance` x Switch's auxiliary loss and `z`
+    x the router z-loss, each averaged over the MoE layers (`helpers.model.moe`); and, with `bias_rate`, DeepSeek-V3's
+    balancing bias nudged by that much after each step. balance=z=0 with a bias_rate balances without a loss."""
+
+    base: FullLoss | ChunkedLoss = FullLoss()
+    balance: float = 0.01
+    z: float = 0.001
+    bias_rate: float = 0.0
+
+    def __call__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.base(model, x, y)
+        layers = moe_layers(model)
+        if not layers:
+            raise ValueError("RouterLoss balances a Mixture-of-Experts model; this one has no MoE layer "
+                             "(ffn_type='moe')")
+        aux = sum(self.balance * layer.routing.balance_loss() + self.z * layer.routing.z_loss() for layer in layers)
+        return loss + aux / len(layers) * (y != IGNORE_INDEX).sum()
+
+    def after_step(self, model: nn.Module) -> None:
+        if self.bias_rate:
+            update_router_bias(model, self.bias_rate)
+
+
 FULL = FullLoss()  # the default: the model's logits whole, every one a class
 
 
@@ -207,4 +235,6 @@ class TrainingStep:
             stepped = scaler is None or self.scaler.get_scale() >= scale
         finally:
             self.optimizer.zero_grad(set_to_none=True)
+        if stepped and hasattr(self.loss, "after_step"):
+            self.loss.after_step(self.model)
         return StepResult(loss, tokens, grad_norm, stepped)

@@ -28,7 +28,7 @@ from .batches import Batches, ShuffledBatches, evaluation_windows
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .lr_schedule import check_schedule, learning_rate
 from .precision import check_precision_name, resolve_precision
-from .step import FULL, IGNORE_INDEX, ChunkedLoss, FullLoss, Loss, TrainingStep, token_loss_sum
+from .step import FULL, IGNORE_INDEX, ChunkedLoss, FullLoss, Loss, RouterLoss, TrainingStep, token_loss_sum
 
 SAMPLE_SAMPLING = Sampling(temperature=0.8, top_k=40)  # the samples shown during training
 
@@ -251,7 +251,7 @@ class Trainer:
                     precision=self.precision.name, tokens=self.batches.tokens_sha256, device=self.device.type,
                     torch=torch.__version__, threads=torch.get_num_threads())
         if self.loss != FULL:  # (the default leaves the keys of earlier runs as they were)
-            if not isinstance(self.loss, FullLoss | ChunkedLoss):
+            if not isinstance(self.loss, FullLoss | ChunkedLoss | RouterLoss):
                 raise ValueError(f"a run trained with {type(self.loss).__name__} cannot be matched to an earlier one "
                                  "by its settings (what else it holds, a teacher's weights, would have to be hashed "
                                  "too): train it with fit()")

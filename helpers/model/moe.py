@@ -1,0 +1,243 @@
+"""A Mixture-of-Experts feed-forward (ffn_type="moe"): a router sends each token to `experts_per_token` of
+`n_experts` SwiGLU experts and adds their outputs, weighted by the router's probabilities.
+
+The model holds every expert's weights but a token runs through k of them, so the FLOPs per token are those of k
+experts (plus the router) while the parameters are those of all of them: the *active* against the *total*
+parameters.
+
+Routing (`GPTConfig.moe_router`). The router's logits become probabilities over all experts (softmax); a token
+takes the k most probable. "softmax_topk" weights each chosen expert by its probability as it is (Switch, DeepSeek,
+Qwen3-MoE without `norm_topk_prob`: the weights sum to less than 1); "topk_softmax" takes the top-k logits first
+and softmaxes over those (Mixtral), which equals the softmax-then-top-k probabilities renormalised to sum to 1
+(Qwen3-MoE's `norm_topk_prob`).
+
+Balance. Left alone, a router sends most tokens to a few experts (they train faster, so they win more tokens). Two
+remedies: the Switch auxiliary loss, E · Σ_e f_e · P_e (f_e the share of token slots sent to expert e, P_e its mean
+probability), which is smallest when both are uniform, with the router z-loss (the mean squared log-sum-exp of the
+logits, keeping them small), added to the training loss (`helpers.training.step.RouterLoss`); or DeepSeek-V3's
+auxiliary-loss-free bias: a per-expert bias added to the scores for *choosing* experts only (not for weighting
+them), raised for experts that got fewer tokens than average and lowered for the others after each step
+(`update_router_bias`).
+
+Capacity (`GPTConfig.capacity_factor`). With a capacity factor c, an expert takes at most ⌈c · tokens · k / E⌉
+token slots of a batch, in token order; the slots beyond it are dropped (the token keeps its residual stream, and
+the dropped count is recorded). None: no limit.
+
+Dispatch (`MoEFeedForward.dispatch`). "loop": each expert gathers its tokens, runs, and adds its weighted output
+back. "sorted": the token slots are sorted by expert so that each expert's tokens are contiguous, and both matmuls
+run as one grouped matrix product over the segments (`torch._grouped_mm`, where the installed torch runs it for the
+dtype and needs no gradient; otherwise a loop over the sorted segments). "gather": each token slot gathers its
+expert's weights, so no shape depends on the routing; it reads k experts' weights per token, which suits a decode
+step of a few tokens, and it is what runs under torch.compile (the compiled decode step), which needs fixed shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .feed_forward import Elementwise, FeedForwardPart, Matmul, SwiGLUFeedForward, register_feed_forward, silu_gate
+
+if TYPE_CHECKING:
+    from .config import GPTConfig
+
+DISPATCHES = ("loop", "sorted", "gather")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where a batch's tokens went: for each token its k experts and their weights, which of those slots an
+    expert's capacity kept, and the router's logits and probabilities (for the balancing losses)."""
+
+    experts: torch.Tensor  # (tokens, k) expert ids
+    weights: torch.Tensor  # (tokens, k)
+    kept: torch.Tensor  # (tokens, k) bool
+    logits: torch.Tensor  # (tokens, n_experts), float32 at least
+    probs: torch.Tensor  # (tokens, n_experts)
+
+    @property
+    def load(self) -> torch.Tensor:
+        """Token slots each expert was chosen for (before capacity), (n_experts,)."""
+        return torch.bincount(self.experts.flatten(), minlength=self.probs.size(-1))
+
+    @property
+    def dropped(self) -> int:
+        return int((~self.kept).sum())
+
+    def balance_loss(self) -> torch.Tensor:
+        """Switch Transformer's auxiliary loss E · Σ_e f_e · P_e: 1 when routing is uniform, E when one expert
+        takes everything. f (the slots' shares) has no gradient; P (the mean probabilities) carries it."""
+        n_experts = self.probs.size(-1)
+        share = self.load.to(self.probs.dtype) / self.experts.numel()
+        return n_experts * (share * self.probs.mean(0)).sum()
+
+    def z_loss(self) -> torch.Tensor:
+        """ST-MoE's router z-loss: the mean squared log-sum-exp of the logits."""
+        return torch.logsumexp(self.logits, dim=-1).square().mean()
+
+
+def route(logits: torch.Tensor, k: int, order: str, bias: torch.Tensor | None = None,
+          capacity_factor: float | None = None) -> Routing:
+    """Choose k experts per token from router logits (tokens, E): by probability plus `bias` (which only chooses),
+    weighted as `order` says; then each expert keeps its first ⌈capacity_factor · tokens · k / E⌉ slots."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    probs = torch.softmax(logits, dim=-1)
+    scores = probs if bias is None else probs + bias
+    experts = scores.topk(k, dim=-1).indices
+    if order == "softmax_topk":
+        weights = probs.gather(-1, experts)
+    else:  # softmax over the chosen logits: the chosen probabilities, renormalised
+        weights = torch.softmax(logits.gather(-1, experts), dim=-1)
+    kept = torch.ones_like(experts, dtype=torch.bool)
+    if capacity_factor is not None:
+        n_experts = logits.size(-1)
+        capacity = math.ceil(capacity_factor * experts.numel() / n_experts)
+        one_hot = F.one_hot(experts.flatten(), n_experts)  # slots in token order, then rank within a token
+        kept = (one_hot.cumsum(0) * one_hot).sum(-1).view_as(experts) <= capacity
+    return Routing(experts, weights, kept, logits, probs)
+
+
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert: x (n, d) -> (n, d) with gate_up (2h, d) and down (d, h)."""
+    return F.linear(silu_gate(*F.linear(x, gate_up).chunk(2, dim=-1)), down)
+
+
+@functools.cache
+def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether the installed torch runs `torch._grouped_mm` for this device and dtype (its CPU kernels came after
+    the CUDA ones, for float32 and bfloat16 only)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        torch._grouped_mm(torch.zeros(2, 8, dtype=dtype, device=device_type),
+                          torch.zeros(1, 8, 8, dtype=dtype, device=device_type),
+                          offs=torch.tensor([2], dtype=torch.int32, device=device_type))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def grouped_linear(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows x[ends[e-1]:ends[e]] times weights[e]ᵀ for every expert e, (rows, out): one grouped matrix product
+    where torch runs it, else one matmul per segment (the same numbers either way)."""
+    weights = weights.to(x.dtype)
+    grouped = (grouped_mm_runs(x.device.type, x.dtype)
+               and not (torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad))
+               and (x.size(-1) * x.element_size()) % 16 == 0 and (weights.size(1) * x.element_size()) % 16 == 0)
+    if grouped:  # (its CPU kernel has no backward in torch 2.13, and wants 16-byte rows)
+        return torch._grouped_mm(x, weights.transpose(-2, -1), offs=ends.to(torch.int32))
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]]).tolist()
+    return torch.cat([F.linear(x[s:e], w) for s, e, w in zip(starts, ends.tolist(), weights, strict=True)])
+
+
+@register_feed_forward
+class MoEFeedForward(FeedForwardPart):
+    """n_experts SwiGLU experts behind a linear router, k per token, with an optional shared expert every token
+    runs (DeepSeek, Qwen2-MoE). Each expert is as wide as `ffn_hidden` (default: a dense SwiGLU's width)."""
+
+    name = "moe"
+    tensor_parallel = {}  # replicated under Megatron-style splits: experts are split by expert parallelism
+    hf_layouts = {}
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d, hidden, n = config.d_model, self.hidden_dim(config), config.n_experts
+        self.k, self.order, self.capacity_factor = config.experts_per_token, config.moe_router, config.capacity_factor
+        self.router = nn.Linear(d, n, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(n, 2 * hidden, d))  # each expert's gate and up rows, stacked
+        self.down = nn.Parameter(torch.empty(n, d, hidden))
+        for weight in (self.gate_up, self.down):
+            nn.init.normal_(weight, mean=0.0, std=0.02)
+        self.register_buffer("router_bias", torch.zeros(n))  # DeepSeek-V3's balancing bias: chooses, never weights
+        self.shared = SwiGLUFeedForward(config) if config.shared_expert else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.dispatch = "loop"
+        self.routing: Routing | None = None  # the last training forward pass's: for the balancing losses and plots
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"unknown dispatch {self.dispatch!r}; valid: {', '.join(DISPATCHES)}")
+        flat = x.reshape(-1, x.size(-1))
+        routing = route(self.router(flat), self.k, self.order, self.router_bias, self.capacity_factor)
+        if self.training:
+            self.routing = routing
+        dispatch = "gather" if torch.compiler.is_compiling() else self.dispatch
+        out = getattr(self, dispatch)(flat, routing).to(x.dtype)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return self.dropout(out).view_as(x)
+
+    @staticmethod
+    def slots(r: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kept token slots: (token index, expert, weight), in token order."""
+        token = torch.arange(r.experts.size(0), device=r.experts.device)[:, None].expand_as(r.experts)
+        return token[r.kept], r.experts[r.kept], r.weights[r.kept]
+
+    def loop(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Each expert gathers its tokens, runs on them, and adds its weighted output back."""
+        token, expert, weight = self.slots(routing)
+        out = torch.zeros_like(flat, dtype=torch.promote_types(flat.dtype, weight.dtype))
+        for e in range(self.gate_up.size(0)):
+            mine = expert == e
+            if mine.any():
+                y = expert_mlp(flat[token[mine]], self.gate_up[e], self.down[e])
+                out = out.index_add(0, token[mine], y * weight[mine, None].to(y.dtype))
+        return out
+
+    def sorted(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The slots sorted by expert, so each expert's tokens are one contiguous segment; both matmuls grouped."""
+        token, expert, weight = self.slots(routing)
+        order = torch.argsort(expert, stable=True)
+        token, expert, weight = token[order], expert[order], weight[order]
+        ends = torch.bincount(expert, minlength=self.gate_up.size(0)).cumsum(0)
+        hidden = silu_gate(*grouped_linear(flat[token], self.gate_up, ends).chunk(2, dim=-1))
+        y = grouped_linear(hidden, self.down, ends)
+        out = torch.zeros_like(flat, dtype=torch.promote_types(flat.dtype, weight.dtype))
+        return out.index_add(0, token, y * weight[:, None].to(y.dtype))
+
+    def gather(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Each token slot with its own expert's weights (tokens, k, ...): shapes fixed by tokens and k alone."""
+        weight = (routing.weights * routing.kept).to(flat.dtype)
+        gate_up = self.gate_up[routing.experts].to(flat.dtype)  # (tokens, k, 2h, d)
+        hidden = silu_gate(*torch.einsum("nd,nkhd->nkh", flat, gate_up).chunk(2, dim=-1))
+        y = torch.einsum("nkh,nkdh->nkd", hidden, self.down[routing.experts].to(flat.dtype))
+        return (y * weight[..., None]).sum(1)
+
+    @classmethod
+    def hidden_dim(cls, config: GPTConfig) -> int:
+        return SwiGLUFeedForward.hidden_dim(config)
+
+    @classmethod
+    def matmuls(cls, config: GPTConfig) -> list[Matmul]:
+        """Per token: the router, and k experts' matmuls (the active ones), plus the shared expert's."""
+        hidden, k, d = cls.hidden_dim(config), config.experts_per_token, config.d_model
+        active = [Matmul("router", d, config.n_experts), Matmul(f"{k} experts' gate and up", d, 2 * hidden * k),
+                  Matmul(f"{k} experts' down", hidden * k, d)]
+        return active + (SwiGLUFeedForward.matmuls(config) if config.shared_expert else [])
+
+    @classmethod
+    def elementwise(cls, config: GPTConfig) -> list[Elementwise]:
+        width = cls.hidden_dim(config) * (config.experts_per_token + config.shared_expert)
+        return [Elementwise("SiLU(gate) · up, active experts", 5, width, silu_gate, inputs=2)]
+
+    def residual_weights(self) -> list[torch.Tensor]:
+        return [self.down] + (self.shared.residual_weights() if self.shared is not None else [])
+
+
+def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
+    return [module for module in model.modules() if isinstance(module, MoEFeedForward)]
+
+
+@torch.no_grad()
+def update_router_bias(model: nn.Module, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, after an optimizer step: each MoE layer raises the bias of the
+    experts that got fewer token slots than the mean in its last forward pass by `rate`, and lowers the others'."""
+    for layer in moe_layers(model):
+        load = layer.routing.load.to(layer.router_bias.dtype)
+        layer.router_bias += rate * torch.sign(load.mean() - load)

@@ -1,0 +1,184 @@
+"""The Mixture-of-Experts feed-forward against references written out token by token in float64: the routing (both
+orders, the balancing bias, capacity), the layer with each dispatch, the balancing losses, DeepSeek-V3's bias
+update, the FLOPs (active, not total), and training through the Trainer's loss."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers.inference.compiled_decode import CompiledDecoder
+from helpers.measure.flops import count_with_flop_counter, forward_flops
+from helpers.model.config import GPTConfig
+from helpers.model.gpt import GPT
+from helpers.model.moe import MoEFeedForward, moe_layers, route, update_router_bias
+from helpers.training.step import FULL, RouterLoss, TrainingStep
+
+CONFIG = GPTConfig(vocab_size=61, context_length=16, d_model=32, n_heads=4, n_layers=2, dropout=0.0, ffn_type="moe",
+                   n_experts=4, experts_per_token=2, ffn_hidden=24)
+
+
+def layer64(**changes) -> MoEFeedForward:
+    torch.manual_seed(0)
+    return MoEFeedForward(dataclasses.replace(CONFIG, **changes)).double()
+
+
+def reference(layer: MoEFeedForward, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+    """Token by token: softmax over the router's logits, the top k by probability plus bias, weighted as the order
+    says, an expert skipped once it has served `capacity` slots; each expert a SwiGLU written out."""
+    out = torch.zeros_like(x)
+    served = [0] * layer.gate_up.size(0)
+    for t in range(x.size(0)):
+        logits = x[t] @ layer.router.weight.T
+        probs = torch.softmax(logits, -1)
+        chosen = torch.argsort(probs + layer.router_bias, descending=True)[: layer.k]
+        weights = probs[chosen] / (probs[chosen].sum() if layer.order == "topk_softmax" else 1)
+        for e, w in zip(chosen.tolist(), weights, strict=True):
+            served[e] += 1
+            if capacity is not None and served[e] > capacity:
+                continue
+            gate, up = (x[t] @ layer.gate_up[e].T).chunk(2)
+            out[t] += w * ((F.silu(gate) * up) @ layer.down[e].T)
+    if layer.shared is not None:
+        out += layer.shared(x)
+    return out
+
+
+@pytest.mark.parametrize("order", ["softmax_topk", "topk_softmax"])
+@pytest.mark.parametrize("dispatch", ["loop", "sorted", "gather"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_layer_is_the_weighted_sum_of_its_chosen_experts(order, dispatch, shared):
+    layer = layer64(moe_router=order, shared_expert=shared)
+    layer.dispatch = dispatch
+    with torch.no_grad():
+        layer.router_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1], dtype=torch.float64))
+    x = torch.randn(2, 7, CONFIG.d_model, dtype=torch.float64)
+    torch.testing.assert_close(layer(x).flatten(0, 1), reference(layer, x.flatten(0, 1)), rtol=0, atol=1e-12)
+
+
+def test_top_k_then_softmax_is_softmax_then_top_k_renormalised():
+    logits = torch.randn(50, 8, dtype=torch.float64)
+    plain, mixtral = route(logits, 3, "softmax_topk"), route(logits, 3, "topk_softmax")
+    assert torch.equal(plain.experts, mixtral.experts)
+    torch.testing.assert_close(mixtral.weights, plain.weights / plain.weights.sum(-1, keepdim=True), rtol=0,
+                               atol=1e-15)
+    assert torch.all(plain.weights.sum(-1) < 1)
+
+
+def test_the_bias_chooses_experts_but_does_not_weight_them():
+    logits = torch.randn(40, 4, dtype=torch.float64)
+    bias = torch.tensor([10.0, 0.0, 0.0, 0.0], dtype=torch.float64)  # expert 0 is always chosen
+    routing = route(logits, 2, "softmax_topk", bias)
+    assert torch.all((routing.experts == 0).any(-1))
+    torch.testing.assert_close(routing.weights, torch.softmax(logits, -1).gather(-1, routing.experts))
+
+
+@pytest.mark.parametrize("dispatch", ["loop", "sorted", "gather"])
+def test_capacity_keeps_each_experts_first_slots_and_counts_the_dropped(dispatch):
+    layer = layer64(capacity_factor=0.5)
+    layer.dispatch = dispatch
+    x = torch.randn(12, CONFIG.d_model, dtype=torch.float64)
+    capacity = math.ceil(0.5 * 12 * 2 / 4)
+    routing = route(layer.router(x), 2, "softmax_topk", layer.router_bias, 0.5)
+    kept_per_expert = torch.bincount(routing.experts[routing.kept], minlength=4)
+    assert kept_per_expert.max() <= capacity
+    assert routing.dropped == int((routing.load - capacity).clamp(min=0).sum()) > 0
+    torch.testing.assert_close(layer(x[None])[0], reference(layer, x, capacity), rtol=0, atol=1e-12)
+
+
+def test_every_dispatch_gives_the_same_gradients():
+    x = torch.randn(3, 9, CONFIG.d_model, dtype=torch.float64)
+    grads = {}
+    for dispatch in ("loop", "sorted", "gather"):
+        layer = layer64(shared_expert=True)
+        layer.dispatch = dispatch
+        layer(x).square().sum().backward()
+        grads[dispatch] = [p.grad for p in layer.parameters()]
+    for other in ("sorted", "gather"):
+        for a, b in zip(grads["loop"], grads[other], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_the_grouped_product_gives_the_loop_in_float32():
+    layer = layer64().float()
+    x = torch.randn(4, 16, CONFIG.d_model)
+    with torch.no_grad():
+        loop = layer(x)
+        layer.dispatch = "sorted"
+        torch.testing.assert_close(layer(x), loop, rtol=1e-5, atol=1e-6)
+
+
+def test_the_balancing_losses_against_their_formulas():
+    logits = torch.randn(64, 4, dtype=torch.float64)
+    routing = route(logits, 2, "softmax_topk")
+    probs = torch.softmax(logits, -1)
+    share = torch.stack([(routing.experts == e).sum() for e in range(4)]).double() / (64 * 2)
+    assert routing.balance_loss().item() == pytest.approx(4 * float((share * probs.mean(0)).sum()), abs=1e-14)
+    assert routing.z_loss().item() == pytest.approx(float(torch.logsumexp(logits, -1).pow(2).mean()), abs=1e-12)
+    uniform = route(torch.zeros(8, 4, dtype=torch.float64) + torch.eye(4, dtype=torch.float64).repeat(2, 1) * 1e-9,
+                    1, "softmax_topk")
+    assert uniform.balance_loss().item() == pytest.approx(1.0, abs=1e-6)  # every expert 1/4 of slots and probability
+    collapsed = route(torch.tensor([[50.0, 0, 0, 0]], dtype=torch.float64).repeat(8, 1), 1, "softmax_topk")
+    assert collapsed.balance_loss().item() == pytest.approx(4.0, abs=1e-6)  # one expert takes everything
+
+
+def test_the_bias_update_moves_tokens_toward_the_idle_experts():
+    layer = layer64().train()
+    x = torch.randn(256, CONFIG.d_model, dtype=torch.float64) + 0.5
+    with torch.no_grad():
+        layer.router.weight[0] += 0.1  # expert 0 scores higher for every token: it is chosen nearly always
+
+    def busiest_share() -> float:
+        layer(x)
+        load = layer.routing.load.double()
+        return float(load.max() / load.sum())
+
+    before = busiest_share()
+    for _ in range(100):
+        busiest_share()
+        update_router_bias(layer, 0.002)
+    assert before > 0.45 and busiest_share() < 0.35, before  # from about half the slots to near a quarter
+    assert layer.router_bias[0] < 0  # the busy expert's bias went down
+
+
+def test_flops_count_the_active_experts_exactly():
+    model = GPT(dataclasses.replace(CONFIG, shared_expert=True))
+    idx = torch.randint(CONFIG.vocab_size, (2, 16))
+    analytic = forward_flops(model.config, 2, 16)
+    for dispatch in ("loop", "sorted", "gather"):
+        for layer in moe_layers(model):
+            layer.dispatch = dispatch
+        with torch.no_grad():
+            counted = count_with_flop_counter(model, idx)
+        assert counted.by_part()["feed_forward"] == analytic.mlp, dispatch
+    active = 2 * 32 * 4 + 2 * 2 * (32 * 48 + 24 * 32) + 2 * (32 * 48 + 24 * 32)  # router, 2 experts, shared one
+    assert analytic.mlp == CONFIG.n_layers * 2 * 16 * active
+    total_expert_parameters = 4 * (32 * 48 + 24 * 32)
+    assert sum(p.numel() for p in moe_layers(model)[0].parameters()) > total_expert_parameters > active // 2
+
+
+def test_router_loss_adds_the_balancing_terms_per_target_token_and_trains():
+    torch.manual_seed(0)
+    model = GPT(CONFIG).train()
+    x, y = (torch.randint(CONFIG.vocab_size, (4, 16)) for _ in range(2))
+    loss = RouterLoss(balance=0.1, z=0.01)
+    total = loss(model, x, y)
+    aux = sum(0.1 * layer.routing.balance_loss() + 0.01 * layer.routing.z_loss() for layer in moe_layers(model)) / 2
+    torch.testing.assert_close(total, FULL(model, x, y) + aux * y.numel())
+    with pytest.raises(ValueError, match="has no MoE layer"):
+        loss(GPT(dataclasses.replace(CONFIG, ffn_type="swiglu")), x, y)
+    step = TrainingStep(model, torch.optim.AdamW(model.parameters(), lr=3e-3), loss=RouterLoss(bias_rate=0.01))
+    losses = [step([(x, y)]).loss for _ in range(25)]
+    assert losses[-1] < losses[0] - 0.5
+    assert any(layer.router_bias.abs().sum() > 0 for layer in moe_layers(model))  # after_step moved the biases
+
+
+@pytest.mark.compile
+def test_compiled_decoding_runs_the_moe_model_token_for_token():
+    torch.manual_seed(0)
+    model = GPT(CONFIG).eval()
+    idx = torch.randint(CONFIG.vocab_size, (2, 4))
+    compiled = CompiledDecoder(model, batch=2, max_len=16).generate(idx, 8)
+    assert torch.equal(compiled, model.generate(idx, 8))
