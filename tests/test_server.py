@@ -8,6 +8,7 @@ others start `python -m helpers serve` on a free loopback port, one server per m
 import asyncio
 import json
 import math
+import re
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import torch
 from helpers import GPT, GPTConfig
 from helpers.inference.kv_cache import generate_with_cache
 from helpers.inference.scheduler import Request
-from helpers.inference.serving import Engine
+from helpers.inference.serving import Engine, RequestRefused
 from helpers.measure.load_test import RequestResult, check_loopback, format_table, load_test, summarize, workload
 from helpers.measure.serving_race import format_race, medians, race
 from helpers.model.decoding import GREEDY, Sampling
@@ -616,6 +617,32 @@ def test_a_request_larger_than_the_cache_is_refused_with_400(served64):
     refused = asyncio.run(scenario())
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
     assert "KV blocks" in refused.json()["error"]["message"] and loop.admitted == 0
+
+
+@pytest.mark.parametrize("prompt, max_tokens, param, code", [
+    ([5] * 65, 1, "prompt", "context_length_exceeded"),
+    ([5] * 10, 60, "max_tokens", "context_length_exceeded"),
+    ([5, 320], 4, "prompt", None),
+    ([5] * 10, 50, "max_tokens", None),  # fits the context, not the 4 blocks of 8 tokens
+], ids=["prompt past the context", "max_tokens past the context", "id outside the vocabulary", "past the cache"])
+def test_a_request_the_engine_refuses_gets_its_words_and_the_field_in_a_400(served64, prompt, max_tokens, param,
+                                                                            code):
+    """The API asks the engine (Engine.check) and names its own field: one rule, one message, for both (a server
+    adds where its cache's size is set)."""
+    engine = Engine(served64.model, max_batch=1, block_size=8, num_blocks=4)
+    with pytest.raises(RequestRefused) as refused_by_engine:
+        engine.check(Request("x", tuple(prompt), max_tokens, served64.eos_id))
+
+    async def scenario():
+        async with in_process_client(served64, EngineLoop(engine, max_waiting=0)) as client:
+            return await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt,
+                                                              "max_tokens": max_tokens})
+
+    refused = asyncio.run(scenario())
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and (error["param"], error["code"]) == (param, code)
+    assert re.sub(r"^request 'cmpl-[0-9a-f]+'", "request 'x'", error["message"]).startswith(
+        str(refused_by_engine.value))
 
 
 def test_a_client_that_leaves_a_non_streamed_request_has_it_aborted(served64):

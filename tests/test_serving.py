@@ -14,7 +14,7 @@ from helpers import GPT, GPTConfig
 from helpers.__main__ import main
 from helpers.inference.paged_kv import BatchRow, BlockAllocator, OutOfBlocks, PagedBatch, PagedKVCache, attend
 from helpers.inference.scheduler import Chunk
-from helpers.inference.serving import Engine, Request, contiguous_layout, serve
+from helpers.inference.serving import Engine, Request, RequestRefused, contiguous_layout, serve
 from helpers.measure.serving_bench import mixed_workload, reference_tokens
 from helpers.model.attention import IMPLEMENTATIONS, attend_cache
 from helpers.model.decoding import Sampling
@@ -277,20 +277,25 @@ def test_utilization_paged_wastes_less_than_a_block_per_sequence(model64, reques
 # ---- bad input ----
 
 
-@pytest.mark.parametrize("request_, message", [
-    (Request("x", tuple(range(49)), 1), "the prompt has 49 tokens but the context length is 48"),
-    (Request("x", tuple(range(40)), 10), "set max_tokens to 9 or less"),
-    (Request("x", (1, 2), 0), "max_tokens must be an integer >= 1"),
-    (Request("x", (), 3), "the prompt is empty"),
-    (Request("x", (1, 97), 3), r"prompt token ids must be integers in \[0, 97\)"),
-    (Request("x", (1, 2), 3, eos_id=-1), "eos_id -1 is outside"),
-    (Request("x", tuple(range(20)), 20), "needs 5 blocks of 8 tokens but the cache has only 4"),
-    (Request("x", (1, 2), 3, sampling=Sampling(temperature=-1.0)), "request 'x': temperature must be >= 0"),
-    (Request("x", (1, 2), 3, sampling=Sampling(temperature=1.0, top_k=98)), r"top_k must be an integer in \[1, 97\]"),
-    (Request("x", (1, 2), 3, sampling={"temperature": 1.0}), "sampling must be a helpers.model.decoding.Sampling"),
+@pytest.mark.parametrize("request_, field, message", [
+    (Request("x", tuple(range(49)), 1), "prompt", "the prompt has 49 tokens but the context length is 48"),
+    (Request("x", tuple(range(40)), 10), "max_tokens", "set max_tokens to 9 or less"),
+    (Request("x", (1, 2), 0), "max_tokens", "max_tokens must be an integer >= 1"),
+    (Request("x", (), 3), "prompt", "the prompt is empty"),
+    (Request("x", (1, 97), 3), "prompt", r"prompt token ids must be integers in \[0, 97\)"),
+    (Request("x", (1, 2), 3, eos_id=-1), "eos_id", "eos_id -1 is outside"),
+    (Request("x", tuple(range(20)), 20), "max_tokens", "needs 5 blocks of 8 tokens but the cache has only 4"),
+    (Request("x", (1, 2), 3, sampling=Sampling(temperature=-1.0)), "sampling", "request 'x': temperature must be >= 0"),
+    (Request("x", (1, 2), 3, sampling=Sampling(temperature=1.0, top_k=98)), "sampling",
+     r"top_k must be an integer in \[1, 97\]"),
+    (Request("x", (1, 2), 3, sampling={"temperature": 1.0}), "sampling",
+     "sampling must be a helpers.model.decoding.Sampling"),
 ])
-def test_requests_that_can_never_be_served_are_refused_at_submit(model64, request_, message):
+def test_requests_that_can_never_be_served_are_refused_at_submit(model64, request_, field, message):
     engine = Engine(model64, max_batch=2, block_size=8, num_blocks=4)
+    with pytest.raises(RequestRefused, match=message) as checked:  # what a server asks before it queues
+        engine.check(request_)
+    assert checked.value.field == field
     with pytest.raises(ValueError, match=message):
         engine.submit(request_)
     assert not engine.has_work

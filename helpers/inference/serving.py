@@ -128,6 +128,17 @@ class ServingRun:
         return percentiles_of([c.first_token_s for c in self.completions], percentiles)
 
 
+class RequestRefused(ValueError):
+    """A request an engine could never serve, with what to change. `field` names the `Request` field at fault
+    ("prompt", "max_tokens", "eos_id" or "sampling") and `limit` the engine's limit it exceeds ("context": the
+    model's context length; "cache": the KV cache's blocks; None: a malformed request), so a server can name its own
+    field and give its own remedy."""
+
+    def __init__(self, message: str, field: str, limit: str | None = None):
+        super().__init__(message)
+        self.field, self.limit = field, limit
+
+
 def percentiles_of(values: list[float], percentiles: tuple[int, ...]) -> dict[str, float]:
     """{"p50": ..., ...} of `values` (linear interpolation, as numpy's default)."""
     x = torch.tensor(values, dtype=torch.float64)
@@ -183,40 +194,57 @@ class Engine:
 
     # ---- requests in ----
 
-    def submit(self, request: Request) -> None:
-        """Queue a request. A request that could never be served raises ValueError here, with what to change;
-        one that merely does not fit next to the others waits."""
+    def check(self, request: Request) -> None:
+        """Raise RequestRefused if this engine could never serve `request` (its prompt, its length against the
+        context and the cache, its sampling). The rules `submit` applies, for a caller that refuses a request before
+        queuing it (the HTTP server answers 400 naming its own field); reads only the engine's fixed settings, so any
+        thread may call it."""
         cfg, rid = self.model.config, request.request_id
         prompt = list(request.prompt)
-        if rid in self._live:
-            raise ValueError(f"request id {rid!r} is already queued or running; use unique ids")
         if not prompt:
-            raise ValueError(f"request {rid!r}: the prompt is empty; give at least one token")
+            raise RequestRefused(f"request {rid!r}: the prompt is empty; give at least one token", "prompt")
         if not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in prompt):
-            raise ValueError(f"request {rid!r}: prompt token ids must be integers in [0, {cfg.vocab_size})")
+            raise RequestRefused(f"request {rid!r}: prompt token ids must be integers in [0, {cfg.vocab_size})",
+                                 "prompt")
         if request.eos_id is not None and not 0 <= request.eos_id < cfg.vocab_size:
-            raise ValueError(f"request {rid!r}: eos_id {request.eos_id} is outside [0, {cfg.vocab_size})")
+            raise RequestRefused(f"request {rid!r}: eos_id {request.eos_id} is outside [0, {cfg.vocab_size})",
+                                 "eos_id")
         if not isinstance(request.sampling, Sampling):
-            raise ValueError(f"request {rid!r}: sampling must be a helpers.model.decoding.Sampling, got "
-                             f"{type(request.sampling).__name__}")
+            raise RequestRefused(f"request {rid!r}: sampling must be a helpers.model.decoding.Sampling, got "
+                                 f"{type(request.sampling).__name__}", "sampling")
         try:
-            check_decoding(request.max_tokens, request.sampling, cfg.vocab_size)
+            check_decoding(request.max_tokens, GREEDY, cfg.vocab_size)  # max_tokens alone: the sampling is next
         except ValueError as err:
-            raise ValueError(f"request {rid!r}: {err}".replace("max_new_tokens", "max_tokens")) from None
+            raise RequestRefused(f"request {rid!r}: {err}".replace("max_new_tokens", "max_tokens"),
+                                 "max_tokens") from None
+        try:
+            request.sampling.check(cfg.vocab_size)
+        except ValueError as err:
+            raise RequestRefused(f"request {rid!r}: {err}", "sampling") from None
         try:
             cached = check_context(len(prompt), request.max_tokens, cfg.context_length)
         except ContextExceeded as err:  # the same rule as every decoder's, in a server's words
             if err.prompt_too_long:
-                raise ValueError(f"request {rid!r}: the prompt has {len(prompt)} tokens but the context length is "
-                                 f"{cfg.context_length}; shorten it (e.g. keep its last {cfg.context_length} "
-                                 "tokens)") from None
-            raise ValueError(f"request {rid!r}: a {len(prompt)}-token prompt plus {request.max_tokens} new tokens "
-                             f"needs {err.positions} positions but the context length is {cfg.context_length}; "
-                             f"set max_tokens to {cfg.context_length - len(prompt) + 1} or less") from None
+                raise RequestRefused(f"request {rid!r}: the prompt has {len(prompt)} tokens but the context length "
+                                     f"is {cfg.context_length}; shorten it (e.g. keep its last {cfg.context_length} "
+                                     "tokens)", "prompt", "context") from None
+            raise RequestRefused(f"request {rid!r}: a {len(prompt)}-token prompt plus {request.max_tokens} new "
+                                 f"tokens needs {err.positions} positions but the context length is "
+                                 f"{cfg.context_length}; set max_tokens to {cfg.context_length - len(prompt) + 1} or "
+                                 "less", "max_tokens", "context") from None
         if self.cache.blocks_for(cached) > self.cache.num_blocks:
-            raise ValueError(f"request {rid!r} needs {self.cache.blocks_for(cached)} blocks of "
-                             f"{self.cache.block_size} tokens but the cache has only {self.cache.num_blocks}; "
-                             "give the engine more num_blocks or lower max_tokens")
+            raise RequestRefused(f"request {rid!r} needs {self.cache.blocks_for(cached)} blocks of "
+                                 f"{self.cache.block_size} tokens but the cache has only {self.cache.num_blocks}; "
+                                 "give the engine more num_blocks or lower max_tokens", "max_tokens", "cache")
+
+    def submit(self, request: Request) -> None:
+        """Queue a request. A request that could never be served raises ValueError here (`check`), with what to
+        change; one that merely does not fit next to the others waits."""
+        rid = request.request_id
+        if rid in self._live:
+            raise ValueError(f"request id {rid!r} is already queued or running; use unique ids")
+        self.check(request)
+        prompt = list(request.prompt)
         generator = None
         if not request.sampling.is_greedy:
             seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()))

@@ -27,7 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from ..inference.scheduler import Request as EngineRequest
-from ..model.decoding import ContextExceeded, Sampling, cached_positions, check_context
+from ..inference.serving import RequestRefused
+from ..model.decoding import Sampling
 from ..text.tokenizer_files import token_bytes
 from .checkpoint import ServedModel
 from .engine_loop import EngineLoop, EngineStopped, QueueFull, Update
@@ -263,32 +264,21 @@ def create_app(served: ServedModel, loop: EngineLoop, *, api_key: str | None = N
 
     def submit(body: Generation, prompt: list[int], prompt_param: str, max_tokens: int | None,
                queue: asyncio.Queue) -> str:
-        """Check the request against the model, then queue it; returns its id."""
-        if not all(0 <= t < vocab for t in prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", prompt_param)
+        """Check the request (the engine's rules, through `Engine.check`, in this API's field names), then queue it;
+        returns its id."""
         if max_tokens is None:
             max_tokens = max(1, ctx - len(prompt) + 1)
-        try:
-            check_context(len(prompt), max_tokens, ctx)
-        except ContextExceeded as err:
-            if err.prompt_too_long:
-                raise APIError(400, f"the prompt has {len(prompt)} tokens but this model's context is {ctx}; "
-                                    "shorten it", prompt_param, code="context_length_exceeded") from None
-            raise APIError(400, f"a {len(prompt)}-token prompt plus max_tokens={max_tokens} needs {err.positions} "
-                                f"positions but this model's context is {ctx}; set max_tokens to "
-                                f"{ctx - len(prompt) + 1} or less", "max_tokens",
-                           code="context_length_exceeded") from None
         if body.seed is not None and not -(2**63) <= body.seed < 2**64:
             raise APIError(400, f"seed must be in [-2**63, 2**64), got {body.seed}", "seed")
-        blocks, cache = loop.engine.cache.blocks_for(cached_positions(len(prompt), max_tokens)), loop.engine.cache
-        if blocks > cache.num_blocks:
-            raise APIError(400, f"this request needs {blocks} KV blocks of {cache.block_size} tokens but the server's "
-                                f"cache has {cache.num_blocks}; lower max_tokens (or start the server with more "
-                                "--num-blocks)", "max_tokens")
-        sampling = body.sampling(vocab)
         rid = f"cmpl-{uuid.uuid4().hex}"
+        request = EngineRequest(rid, tuple(prompt), max_tokens, served.eos_id, body.sampling(vocab), body.seed)
+        try:
+            loop.engine.check(request)
+        except RequestRefused as err:
+            remedy = " (a server's KV blocks: start it with more --num-blocks)" if err.limit == "cache" else ""
+            raise APIError(400, f"{err}{remedy}", prompt_param if err.field == "prompt" else err.field,
+                           code="context_length_exceeded" if err.limit == "context" else None) from None
         event_loop = asyncio.get_running_loop()
-        request = EngineRequest(rid, tuple(prompt), max_tokens, served.eos_id, sampling, body.seed)
         try:
             loop.submit(request, lambda update: event_loop.call_soon_threadsafe(queue.put_nowait, update))
         except QueueFull as err:
