@@ -13,6 +13,8 @@ from helpers.inference.compiled_decode import CompiledDecoder
 from helpers.measure.flops import count_with_flop_counter, forward_flops
 from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
+from helpers.model.hf_files import WeightsError
+from helpers.model.hf_llama import load_hf_llama, save_hf_llama
 from helpers.model.moe import MoEFeedForward, moe_layers, route, update_router_bias
 from helpers.training.step import FULL, RouterLoss, TrainingStep
 
@@ -182,3 +184,51 @@ def test_compiled_decoding_runs_the_moe_model_token_for_token():
     idx = torch.randint(CONFIG.vocab_size, (2, 4))
     compiled = CompiledDecoder(model, batch=2, max_len=16).generate(idx, 8)
     assert torch.equal(compiled, model.generate(idx, 8))
+
+
+# ---- Qwen3-MoE's layout ----
+
+
+def tiny_qwen3_moe(norm_topk_prob: bool):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=101, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob, max_position_embeddings=64, tie_word_embeddings=False)
+    return transformers.Qwen3MoeForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_a_qwen3_moe_checkpoint_gives_transformers_logits(norm_topk_prob, tmp_path):
+    theirs = tiny_qwen3_moe(norm_topk_prob)
+    theirs.save_pretrained(tmp_path)
+    ours = load_hf_llama(tmp_path)
+    assert (ours.config.ffn_type, ours.config.n_experts, ours.config.experts_per_token, ours.config.ffn_hidden) == (
+        "moe", 4, 2, 24)
+    assert ours.config.moe_router == ("topk_softmax" if norm_topk_prob else "softmax_topk")
+    idx = torch.randint(0, 101, (2, 19))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), theirs(idx).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_our_moe_model_exports_to_qwen3_moe_and_back(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = dataclasses.replace(CONFIG, vocab_size=101, norm="rmsnorm", position_encoding="rope", bias=False,
+                                 tie_weights=False, qk_norm=True, n_kv_heads=2, moe_router="topk_softmax")
+    ours = GPT(config).eval()
+    save_hf_llama(ours, tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
+    idx = torch.randint(0, 101, (2, 13))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(idx).logits, ours(idx), rtol=1e-4, atol=1e-5)
+    again = load_hf_llama(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ours.state_dict().values(), strict=True))
+    with torch.no_grad():
+        ours.blocks[0].mlp.router_bias[1] = 0.1
+    with pytest.raises(WeightsError, match="router_bias is not zero, and the qwen3_moe layout has no place for it"):
+        save_hf_llama(ours, tmp_path)
+    with pytest.raises(WeightsError, match="no a shared expert|no a shared"):
+        save_hf_llama(GPT(dataclasses.replace(config, shared_expert=True)), tmp_path)

@@ -76,7 +76,8 @@ class FeedForwardPart(nn.Module, ABC):
     * `hidden_dim(config)`: its hidden width (the default, unless `config.ffn_hidden` sets one);
     * `matmuls(config)` and `elementwise(config)`: its operations per token (FLOPs, roofline);
     * `tensor_parallel`: each Linear layer's `Split`, by attribute name;
-    * `hf_layouts`: its weight names in Hugging Face's "gpt2" and/or "llama" layout;
+    * `hf_layouts`: its weight names in Hugging Face's "gpt2", "llama" or "qwen3_moe" layout (`hf_weights` where
+      they depend on the config; `hf_config` and `config_from_hf` for config.json keys of its own);
     * `residual_weights()`: the weights that write into the residual stream (GPT-2 scales their initialisation).
     """
 
@@ -98,6 +99,24 @@ class FeedForwardPart(nn.Module, ABC):
 
     @abstractmethod
     def residual_weights(self) -> list[torch.Tensor]: ...
+
+    @classmethod
+    def hf_weights(cls, config: GPTConfig, layout: str) -> dict[str, tuple[str, ...]]:
+        """Our tensors (names within the part) -> the layout's (names within the block's `mlp.`), whose rows stacked
+        make ours: by default each Linear layer's weight (and bias) as `hf_layouts` names them."""
+        suffixes = ("weight", "bias") if config.bias else ("weight",)
+        return {f"{ours}.{suffix}": tuple(f"{part}.{suffix}" for part in theirs)
+                for ours, theirs in cls.hf_layouts[layout].weights.items() for suffix in suffixes}
+
+    @classmethod
+    def hf_config(cls, config: GPTConfig, layout: str) -> dict:
+        """config.json keys of the part's own, beyond the layout's activation and width."""
+        return {}
+
+    @classmethod
+    def config_from_hf(cls, hf: dict, layout: str) -> dict:
+        """The GPTConfig fields that `hf_config`'s keys set."""
+        return {}
 
 
 FEED_FORWARDS: dict[str, type[FeedForwardPart]] = {}  # GPTConfig.ffn_type -> class, in registration order

@@ -43,8 +43,8 @@ _BLOCK = {  # ours, after `blocks.{i}.` -> Hugging Face's, after `h.{i}.`
 def hf_names(config: GPTConfig) -> dict[str, str]:
     """Our parameter names -> Hugging Face's (without the `transformer.` prefix)."""
     block = dict(_BLOCK)
-    for ours, (theirs,) in feed_forward_type(config).hf_layouts["gpt2"].weights.items():  # Conv1D: one to one
-        block |= {f"mlp.{ours}.{p}": f"mlp.{theirs}.{p}" for p in ("weight", "bias")}
+    for ours, (theirs,) in feed_forward_type(config).hf_weights(config, "gpt2").items():  # Conv1D: one to one
+        block[f"mlp.{ours}"] = f"mlp.{theirs}"
     names = dict(_TOP)
     for i in range(config.n_layers):
         names.update({f"blocks.{i}.{ours}": f"h.{i}.{theirs}" for ours, theirs in block.items()})

@@ -28,7 +28,10 @@ from .gpt import GPT
 from .hf_files import WeightsError, check_exported_config, save_with_config
 from .loading import tie_weights
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # model_type -> transformers class
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",  # model_type -> transformers class
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+# model_type -> the feed-forward layout (helpers.model.feed_forward): Qwen3-MoE is Qwen3 with a Mixture-of-Experts block
+LAYOUTS = {"llama": "llama", "qwen3": "llama", "qwen3_moe": "qwen3_moe"}
 _PREFIX = "model."
 _ATTENTION = ("q_proj", "k_proj", "v_proj")  # stacked, in this order, into our attn.qkv
 
@@ -36,7 +39,7 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj")  # stacked, in this order, into our 
 def hf_groups(config: GPTConfig) -> dict[str, tuple[str, ...]]:
     """Our parameter names -> the Hugging Face tensors (full names) concatenated along dim 0 to make each."""
     groups = {"tok_emb.weight": ("model.embed_tokens.weight",), "ln_f.weight": ("model.norm.weight",)}
-    feed_forward = feed_forward_type(config).hf_layouts["llama"].weights
+    feed_forward = feed_forward_type(config).hf_weights(config, LAYOUTS[model_type_of(config)])
     for i in range(config.n_layers):
         theirs, ours = f"model.layers.{i}.", f"blocks.{i}."
         groups |= {
@@ -45,8 +48,8 @@ def hf_groups(config: GPTConfig) -> dict[str, tuple[str, ...]]:
             ours + "attn.out_proj.weight": (theirs + "self_attn.o_proj.weight",),
             ours + "ln2.weight": (theirs + "post_attention_layernorm.weight",),
         }
-        groups |= {f"{ours}mlp.{layer}.weight": tuple(f"{theirs}mlp.{p}.weight" for p in parts)
-                   for layer, parts in feed_forward.items()}
+        groups |= {f"{ours}mlp.{name}": tuple(f"{theirs}mlp.{p}" for p in parts)
+                   for name, parts in feed_forward.items()}
         if config.qk_norm:
             groups |= {ours + "attn.q_norm.weight": (theirs + "self_attn.q_norm.weight",),
                        ours + "attn.k_norm.weight": (theirs + "self_attn.k_norm.weight",)}
@@ -56,17 +59,22 @@ def hf_groups(config: GPTConfig) -> dict[str, tuple[str, ...]]:
 
 
 def model_type_of(config: GPTConfig) -> str:
-    """"qwen3" for a config with QK-norm, "llama" without; refuses what neither layout holds."""
-    held = in_layout("llama")
+    """"qwen3_moe" for a Mixture-of-Experts config, else "qwen3" for one with QK-norm, "llama" without; refuses
+    what none of these layouts holds."""
+    held = in_layout("llama") | in_layout("qwen3_moe")
     problems = [what for what, bad in (
         ("RMSNorm (norm='rmsnorm')", config.norm != "rmsnorm"),
         ("RoPE (position_encoding='rope')", config.position_encoding != "rope"),
         (f"a feed-forward it holds (ffn_type in {', '.join(held)})", config.ffn_type not in held),
         ("no biases (bias=False)", config.bias),
+        ("QK-norm with experts (qwen3_moe: qk_norm=True)", config.ffn_type in in_layout("qwen3_moe")
+         and not config.qk_norm),
     ) if bad]
     if problems:
         raise WeightsError(f"the Llama/Qwen3 layout needs {', '.join(problems)}; GPT-2-style models are saved with "
                            "helpers.model.hf_gpt2")
+    if config.ffn_type in in_layout("qwen3_moe"):
+        return "qwen3_moe"
     return "qwen3" if config.qk_norm else "llama"
 
 
@@ -90,9 +98,10 @@ def config_from_hf(hf: Mapping, source: str = "config.json") -> GPTConfig:
         if hf.get(key, allowed) != allowed:
             raise WeightsError(f"{source}: {key}={hf[key]!r}, but helpers.GPT computes {key}={allowed!r}; use "
                                "transformers for this model")
-    feed_forward = part_with_activation("llama", hf.get("hidden_act", "silu"))
+    layout = LAYOUTS[kind]
+    feed_forward = part_with_activation(layout, hf.get("hidden_act", "silu"))
     if feed_forward is None:
-        known = ", ".join(a for part in in_layout("llama").values() for a in part.hf_layouts["llama"].activations)
+        known = ", ".join(a for part in in_layout(layout).values() for a in part.hf_layouts[layout].activations)
         raise WeightsError(f"{source}: hidden_act={hf['hidden_act']!r}, but helpers.GPT's feed-forward types in this "
                            f"layout compute {known}; use transformers for this model")
     d_model, heads = hf["hidden_size"], hf["num_attention_heads"]
@@ -103,8 +112,8 @@ def config_from_hf(hf: Mapping, source: str = "config.json") -> GPTConfig:
         tie_weights=bool(hf.get("tie_word_embeddings", False)), ffn_type=feed_forward.name, norm="rmsnorm",
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), position_encoding="rope", rope_theta=_rope_theta(hf, source),
         n_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_size=None if head_dim * heads == d_model else head_dim, qk_norm=kind == "qwen3",
-        ffn_hidden=hf["intermediate_size"],
+        head_size=None if head_dim * heads == d_model else head_dim, qk_norm=kind in ("qwen3", "qwen3_moe"),
+        **{"ffn_hidden": hf["intermediate_size"]} | feed_forward.config_from_hf(hf, layout),
     )
 
 
@@ -112,13 +121,13 @@ def hf_config_dict(config: GPTConfig) -> dict:
     """A config.json that transformers reads as the same Llama or Qwen3 model."""
     kind = model_type_of(config)
     feed_forward = feed_forward_type(config)
-    return dict(
+    return feed_forward.hf_config(config, LAYOUTS[kind]) | dict(
         model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=config.vocab_size,
         hidden_size=config.d_model, intermediate_size=feed_forward.hidden_dim(config),
         num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads, num_key_value_heads=config.kv_heads,
         head_dim=config.head_dim, max_position_embeddings=config.context_length, rms_norm_eps=config.norm_eps,
         rope_theta=config.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        hidden_act=feed_forward.hf_layouts["llama"].activations[0], attention_bias=False, mlp_bias=False,
+        hidden_act=feed_forward.hf_layouts[LAYOUTS[kind]].activations[0], attention_bias=False, mlp_bias=False,
         attention_dropout=config.dropout,
         tie_word_embeddings=config.tie_weights,
     )
@@ -170,25 +179,48 @@ def load_hf_llama(path: str | os.PathLike, *, device: str | torch.device = "cpu"
     expected = model.state_dict()
     for ours, parts in groups.items():
         tensor = torch.cat([where[name].get_tensor(name) for name in parts])
-        if tuple(tensor.shape) != tuple(expected[ours].shape):
-            raise WeightsError(f"{path}: {' + '.join(parts)} make shape {tuple(tensor.shape)}, but config.json gives "
-                               f"{ours} the shape {tuple(expected[ours].shape)}: the files come from different models")
-        tensor = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()
+        shape = expected[ours].shape
+        rows = shape if len(shape) < 2 else (shape.numel() // shape[-1], shape[-1])  # ours with its rows stacked
+        if tuple(tensor.shape) != tuple(rows):
+            raise WeightsError(f"{path}: {' + '.join(parts[:3])}{' + ...' if len(parts) > 3 else ''} make shape "
+                               f"{tuple(tensor.shape)}, but config.json gives {ours} the shape {tuple(shape)}: the "
+                               "files come from different models")
+        tensor = tensor.reshape(shape).to(device=device, dtype=dtype or tensor.dtype).contiguous()
         model.load_state_dict({ours: tensor}, strict=False, assign=True)
+    unfilled = [name for name, parameter in model.named_parameters() if parameter.is_meta]
+    if unfilled:
+        raise WeightsError(f"no tensor of the layout fills {unfilled[0]}: its feed-forward type's hf_weights must "
+                           "name every parameter")
+    for name, buffer in list(model.named_buffers()):  # state of our own the layout has no place for: it starts at 0
+        if buffer.is_meta:
+            owner, _, attribute = name.rpartition(".")
+            model.get_submodule(owner).register_buffer(attribute, torch.zeros(buffer.shape, device=device,
+                                                                              dtype=dtype or torch.float32))
     return tie_weights(model).eval()
 
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """The model's weights under LlamaForCausalLM's (or Qwen3ForCausalLM's) names, Q/K/V and gate/up split apart."""
+    """The model's weights under LlamaForCausalLM's (Qwen3ForCausalLM's, Qwen3MoeForCausalLM's) names, Q/K/V,
+    gate/up and the experts split apart. Refused when a buffer the layout has no place for (a router's balancing
+    bias) is not zero: the loaded model would compute something else."""
     config = model.config
-    model_type_of(config)
+    kind = model_type_of(config)
     q, kv = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
     ours = model.state_dict()
+    groups = hf_groups(config)
+    unplaced = [name for name, buffer in model.named_buffers() if name not in groups and buffer.any()]
+    if unplaced:
+        raise WeightsError(f"{unplaced[0]} is not zero, and the {kind} layout has no place for it: a model loaded "
+                           "from these files would compute something else (zero it, or keep the course's checkpoint)")
     out = {}
-    for name, parts in hf_groups(config).items():
+    for name, parts in groups.items():
         tensor = ours[name].detach()
-        # Q is wider than K and V under grouped-query attention; stacked feed-forward parts are equal
-        pieces = tensor.split([q, kv, kv]) if name.endswith("attn.qkv.weight") else tensor.chunk(len(parts))
+        # Q is wider than K and V under grouped-query attention; other stacked parts are equal (an expert's rows)
+        if name.endswith("attn.qkv.weight"):
+            pieces = tensor.split([q, kv, kv])
+        else:
+            rows = tensor if tensor.dim() < 2 else tensor.reshape(-1, tensor.size(-1))
+            pieces = rows.chunk(len(parts))
         out |= {part: piece.contiguous() for part, piece in zip(parts, pieces, strict=True)}
     return out
 

@@ -42,7 +42,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .feed_forward import Elementwise, FeedForwardPart, Matmul, SwiGLUFeedForward, register_feed_forward, silu_gate
+from .feed_forward import (
+    Elementwise,
+    FeedForwardPart,
+    HFLayout,
+    Matmul,
+    SwiGLUFeedForward,
+    register_feed_forward,
+    silu_gate,
+)
+from .hf_files import WeightsError
 
 if TYPE_CHECKING:
     from .config import GPTConfig
@@ -143,7 +152,7 @@ class MoEFeedForward(FeedForwardPart):
 
     name = "moe"
     tensor_parallel = {}  # replicated under Megatron-style splits: experts are split by expert parallelism
-    hf_layouts = {}
+    hf_layouts = {"qwen3_moe": HFLayout({}, ("silu",))}  # Qwen3-MoE's block: names by expert (`hf_weights`)
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -228,6 +237,40 @@ class MoEFeedForward(FeedForwardPart):
 
     def residual_weights(self) -> list[torch.Tensor]:
         return [self.down] + (self.shared.residual_weights() if self.shared is not None else [])
+
+    @classmethod
+    def hf_weights(cls, config: GPTConfig, layout: str) -> dict[str, tuple[str, ...]]:
+        """Qwen3-MoE's `gate` is our router; its experts' gate, up and down projections, expert by expert, are the
+        rows of our stacked `gate_up` and `down`."""
+        experts = range(config.n_experts)
+        return {"router.weight": ("gate.weight",),
+                "gate_up": tuple(f"experts.{e}.{p}_proj.weight" for e in experts for p in ("gate", "up")),
+                "down": tuple(f"experts.{e}.down_proj.weight" for e in experts)}
+
+    @classmethod
+    def hf_config(cls, config: GPTConfig, layout: str) -> dict:
+        refused = [what for what, bad in (("a shared expert", config.shared_expert),
+                                          ("a capacity factor", config.capacity_factor is not None)) if bad]
+        if refused:
+            raise WeightsError(f"Qwen3-MoE's layout has no {' and no '.join(refused)}; use shared_expert=False and "
+                               "capacity_factor=None")
+        hidden = cls.hidden_dim(config)
+        # transformers 5 calls the count num_local_experts, 4.x num_experts: both, so either reads it
+        return dict(num_experts=config.n_experts, num_local_experts=config.n_experts,
+                    num_experts_per_tok=config.experts_per_token,
+                    moe_intermediate_size=hidden, norm_topk_prob=config.moe_router == "topk_softmax",
+                    decoder_sparse_step=1, mlp_only_layers=[])
+
+    @classmethod
+    def config_from_hf(cls, hf: dict, layout: str) -> dict:
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise WeightsError("this Qwen3-MoE checkpoint mixes dense and sparse blocks (decoder_sparse_step, "
+                               "mlp_only_layers), but every block of helpers.GPT has the same feed-forward; use "
+                               "transformers for it")
+        return dict(n_experts=hf.get("num_local_experts", hf.get("num_experts")),
+                    experts_per_token=hf["num_experts_per_tok"],
+                    ffn_hidden=hf["moe_intermediate_size"],
+                    moe_router="topk_softmax" if hf.get("norm_topk_prob") else "softmax_topk")
 
 
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
