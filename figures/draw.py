@@ -319,6 +319,95 @@ def training_loop():
     return fig
 
 
+def utf8_bytes():
+    """Characters are code points; UTF-8 writes each as one to four bytes, so 256 byte values spell any text."""
+    fig, ax = _canvas(10.5, 3.4, (0, 21), (0, 6.8))
+    characters = [("A", "U+0041", [65]), ("é", "U+00E9", [195, 169]), ("—", "U+2014", [226, 128, 148]),
+                  ("🙂", "U+1F642", [240, 159, 153, 130])]
+    ax.text(0.1, 5.6, "character", fontsize=9, va="center")
+    ax.text(0.1, 4.1, "code point", fontsize=9, va="center")
+    ax.text(0.1, 2.2, "UTF-8 bytes", fontsize=9, va="center")
+    x = 3.2
+    for char, point, encoded in characters:
+        width = len(encoded) * 1.05
+        middle = x + width / 2
+        _box(ax, middle - 0.6, 5.15, 1.2, 0.9, "" if char == "🙂" else char, color="#EEEEEE", fontsize=14)
+        if char == "🙂":  # the default font has no emoji: draw a face
+            ax.add_patch(plt.Circle((middle, 5.6), 0.32, facecolor="#F6D26B", edgecolor="black", lw=1))
+            ax.add_patch(FancyArrowPatch((middle - 0.15, 5.5), (middle + 0.15, 5.5), arrowstyle="-",
+                                         connectionstyle="arc3,rad=0.6", color="black", lw=1))
+            for dx in (-0.11, 0.11):
+                ax.add_patch(plt.Circle((middle + dx, 5.7), 0.04, color="black"))
+        ax.text(middle, 4.1, point, ha="center", va="center", fontsize=9)
+        _arrow(ax, (middle, 5.1), (middle, 4.45))
+        _arrow(ax, (middle, 3.75), (middle, 2.75))
+        for i, byte in enumerate(encoded):
+            _box(ax, x + i * 1.05, 1.8, 0.95, 0.8, str(byte), color="#CFE0F3", fontsize=9)
+        ax.text(middle, 1.35, f"{len(encoded)} byte{'s' if len(encoded) > 1 else ''}", ha="center", va="center",
+                fontsize=8)
+        x += width + 0.9
+    ax.text(10.5, 0.45, "every byte is one of 256 values (0–255): a tokenizer that starts from bytes never meets "
+            "an unknown character", ha="center", fontsize=9)
+    return fig
+
+
+def token_granularity():
+    """One text cut three ways: bytes (tiny vocabulary, long sequences), subwords, words (huge vocabulary)."""
+    fig, ax = _canvas(10.5, 3.6, (0, 21), (0, 7.2))
+    rows = [("bytes", list("tokenization of text"), "#CFE0F3",
+             "256 ids, nothing unknown,\n20 tokens: one per byte"),
+            ("subwords (BPE)", ["token", "ization", " of", " text"], "#D5ECD9",
+             "GPT-2: 50,257 ids; a rare word\nis spelled from smaller pieces"),
+            ("words", ["tokenization", " of", " text"], "#F6D5BE",
+             "an id per word seen in training;\nan unseen word has none")]
+    for r, (label, pieces, color, note) in enumerate(rows):
+        y = 5.6 - r * 2.2
+        ax.text(0.1, y + 0.35, label, fontsize=9, va="center")
+        x = 3.4
+        for piece in pieces:
+            w = 0.42 + 0.3 * len(piece) if len(pieces) < 20 else 0.5
+            _box(ax, x, y, w, 0.7, piece.replace(" ", "␣"), color=color, fontsize=8 if len(pieces) < 20 else 7)
+            x += w + 0.08
+        ax.text(15.3, y + 0.35, note, fontsize=8, va="center")
+    ax.text(10.5, 0.35, "␣ marks a space: GPT-2's pieces keep the space with the word after it", ha="center",
+            fontsize=8)
+    return fig
+
+
+def bpe_merge_step():
+    """One BPE step: count adjacent pairs over the chunks, weighted by how often each chunk occurs; merge the top."""
+    fig, ax = _canvas(10.5, 3.9, (0, 21), (0, 7.8))
+    chunks = [("hug", 10), ("pug", 5), ("hugs", 5)]
+    ax.text(2.6, 7.3, "chunks (byte ids, × count)", ha="center", fontsize=9)
+    ax.text(10.2, 7.3, "1. count adjacent pairs", ha="center", fontsize=9)
+    ax.text(17.6, 7.3, "2. merge the top pair into id 256", ha="center", fontsize=9)
+    for r, (word, count) in enumerate(chunks):
+        y = 5.8 - r * 1.5
+        for i, char in enumerate(word):
+            top = word[i:i + 2] == "ug" or (i > 0 and word[i - 1:i + 1] == "ug")  # the pair about to merge
+            _box(ax, 0.3 + i * 1.0, y, 0.9, 0.8, f"{char}\n{ord(char)}", color=ORANGE if top else "#EEEEEE",
+                 fontsize=8)
+        ax.text(0.3 + len(word) * 1.0 + 0.2, y + 0.4, f"× {count}", fontsize=9, va="center")
+        x = 14.8
+        i = 0
+        while i < len(word):  # the same chunk after the merge: "ug" is one token
+            merged = word[i:i + 2] == "ug"
+            _box(ax, x, y, 1.6 if merged else 0.9, 0.8, "ug\n256" if merged else f"{word[i]}\n{ord(word[i])}",
+                 color=ORANGE if merged else "#EEEEEE", fontsize=8)
+            x += (1.6 if merged else 0.9) + 0.1
+            i += 2 if merged else 1
+        ax.text(x + 0.1, y + 0.4, f"× {count}", fontsize=9, va="center")
+    pairs = [("u g", "10 + 5 + 5 = 20"), ("h u", "10 + 5 = 15"), ("p u", "5"), ("g s", "5")]
+    for r, (pair, total) in enumerate(pairs):
+        y = 6.1 - r * 1.0
+        _box(ax, 7.0, y, 6.2, 0.75, f"({pair}):  {total}", color=ORANGE if r == 0 else "white", fontsize=9)
+    _arrow(ax, (5.4, 4.6), (6.9, 4.6))
+    _arrow(ax, (13.3, 4.6), (14.6, 4.6))
+    ax.text(10.5, 0.7, "repeat with the new counts until the vocabulary has its size; the list of merges, in order, "
+            "is the tokenizer", ha="center", fontsize=9)
+    return fig
+
+
 FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "next_token_windows": next_token_windows,
     "training_loop": training_loop,
@@ -328,6 +417,9 @@ FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "gradient_accumulation": gradient_accumulation,
     "kv_cache": kv_cache,
     "paged_blocks": paged_blocks,
+    "utf8_bytes": utf8_bytes,
+    "token_granularity": token_granularity,
+    "bpe_merge_step": bpe_merge_step,
 }
 ATTACHMENT = re.compile(r"!\[[^\]]*\]\(attachment:([\w-]+)\.png\)")
 
