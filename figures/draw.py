@@ -408,6 +408,71 @@ def bpe_merge_step():
     return fig
 
 
+def batch_stacking():
+    """A seeded shuffle of the windows, cut into batches of B; each batch stacks B windows into (B, T) tensors."""
+    fig, ax = _canvas(10.5, 3.6, (0, 21), (0, 7.2))
+    n, batch = 10, 4
+    order = [7, 2, 9, 4, 0, 5, 8, 1, 3, 6]  # one seeded permutation
+    ax.text(0.1, 6.4, "windows", fontsize=9, va="center")
+    for i in range(n):
+        _box(ax, 2.6 + i * 1.0, 6.0, 0.9, 0.8, str(i), color="#CFE0F3", fontsize=9)
+    _arrow(ax, (7.5, 5.9), (7.5, 5.1))
+    ax.text(7.8, 5.5, "shuffle (a seeded generator: the same order every run)", fontsize=8, va="center")
+    ax.text(0.1, 4.4, "order", fontsize=9, va="center")
+    for i, w in enumerate(order):
+        group = i // batch
+        color = (BLUE, GREEN, GREY)[group]
+        _box(ax, 2.6 + i * 1.0 + 0.3 * group, 4.0, 0.9, 0.8, str(w), color=color, fontsize=9,
+             alpha=0.5 if group < 2 else 0.4)
+    ax.text(13.4, 4.4, "dropped (drop_last): fewer than B = 4 left", fontsize=8, va="center")
+    for b, (color, x0) in enumerate(((BLUE, 2.6), (GREEN, 10.6))):
+        ax.text(x0 + 2.7, 3.0, f"batch {b}: x of shape (B = {batch}, T)", ha="center", fontsize=8)
+        for r in range(batch):
+            ax.add_patch(Rectangle((x0, 2.3 - r * 0.55), 5.4, 0.45, facecolor=color, alpha=0.5, edgecolor="black"))
+            ax.text(x0 + 0.15, 2.52 - r * 0.55, f"window {order[b * batch + r]}: T token ids", fontsize=7,
+                    va="center")
+        _arrow(ax, (2.6 + b * (batch + 0.3) + batch / 2 - 0.05, 3.95), (x0 + 2.7, 3.2), color=color)
+    ax.text(18.5, 1.6, "y: the same windows'\ntargets, (B, T)", ha="center", va="center", fontsize=8)
+    return fig
+
+
+def embedding_lookup():
+    """Each id selects a row of the token table; each position a row of the position table; the sum enters block 1."""
+    fig, ax = _canvas(10.5, 4.2, (0, 21), (0, 8.4))
+    ids = [5, 2, 5, 0]
+    ax.text(1.4, 7.8, "token ids (T = 4)", ha="center", fontsize=9)
+    for t, i in enumerate(ids):
+        _box(ax, 0.3 + t * 0.6, 6.9, 0.5, 0.6, str(i), color="#EEEEEE", fontsize=8)
+    rows, tx, ty, h = 7, 4.6, 2.2, 0.6  # the token table: V = 7 rows shown
+    ax.text(tx + 1.2, 7.8, "token table (V × d)", ha="center", fontsize=9)
+    for r in range(rows):
+        picked = r in ids
+        ax.add_patch(Rectangle((tx, ty + (rows - 1 - r) * h), 2.4, h, facecolor=BLUE if picked else "white",
+                               alpha=0.6 if picked else 1, edgecolor="black", lw=0.8))
+        ax.text(tx - 0.15, ty + (rows - 1 - r) * h + h / 2, f"row {r}", fontsize=7, ha="right", va="center")
+    _arrow(ax, (2.8, 7.2), (tx - 0.9, 7.2 - 0.3))
+    ax.text(4.3, 1.6, "a lookup = one-hot(id) · table,\nwithout the one-hot vectors", ha="center", va="top",
+            fontsize=8)
+    out_x = 9.8
+    blocks = [("token vectors", BLUE, [f"row {i}" for i in ids]), ("position vectors", GREEN,
+                                                                  [f"pos {t}" for t in range(4)]),
+              ("sum: block 1's input", PURPLE, ["" for _ in ids])]
+    for b, (title, color, labels) in enumerate(blocks):
+        x = out_x + b * 3.9
+        ax.text(x + 1.3, 7.8, title, ha="center", fontsize=9)
+        for t, label in enumerate(labels):
+            ax.add_patch(Rectangle((x, 6.2 - t * 0.8), 2.6, 0.6, facecolor=color, alpha=0.6, edgecolor="black"))
+            ax.text(x + 1.3, 6.5 - t * 0.8, label, ha="center", va="center", fontsize=8)
+        ax.text(x + 1.3, 3.1, "(T × d)", ha="center", fontsize=8)
+    _arrow(ax, (tx + 2.5, 5.0), (out_x - 0.1, 5.0), color=BLUE)
+    ax.text(out_x + 3.25, 4.6, "+", ha="center", va="center", fontsize=16)
+    ax.text(out_x + 7.15, 4.6, "=", ha="center", va="center", fontsize=16)
+    ax.text(out_x + 5.2, 2.2, "the position table is (context × d): row t is added at position t,\nthe same for "
+            "every sequence of the batch", ha="center", fontsize=8)
+    ax.text(10.5, 0.5, "a batch of ids (B, T) becomes vectors (B, T, d)", ha="center", fontsize=9)
+    return fig
+
+
 FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "next_token_windows": next_token_windows,
     "training_loop": training_loop,
@@ -420,6 +485,8 @@ FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "utf8_bytes": utf8_bytes,
     "token_granularity": token_granularity,
     "bpe_merge_step": bpe_merge_step,
+    "batch_stacking": batch_stacking,
+    "embedding_lookup": embedding_lookup,
 }
 ATTACHMENT = re.compile(r"!\[[^\]]*\]\(attachment:([\w-]+)\.png\)")
 
