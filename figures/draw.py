@@ -473,6 +473,50 @@ def embedding_lookup():
     return fig
 
 
+def qkv_one_head():
+    """One attention head: three projections of the same X, scores QKᵀ/√d, a softmax per row, a weighted sum of V."""
+    fig, ax = _canvas(10.5, 4.6, (0, 21), (0, 9.2))
+    ax.add_patch(Rectangle((0.3, 3.2), 1.2, 2.8, facecolor=GREY, edgecolor="black"))
+    ax.text(0.9, 6.3, "X\n(T × d_in)", ha="center", va="bottom", fontsize=9)
+    roles = [("Q = X·W_q", "query: what am I looking for?", BLUE, 7.2),
+             ("K = X·W_k", "key: what do I contain?", ORANGE, 4.3),
+             ("V = X·W_v", "value: what do I pass on?", GREEN, 1.4)]
+    for name, role, color, y in roles:
+        _arrow(ax, (1.6, 4.6), (3.0, y + 0.6), color=color)
+        ax.add_patch(Rectangle((3.1, y - 0.6), 0.8, 1.9, facecolor=color, alpha=0.7, edgecolor="black"))
+        ax.text(4.1, y + 0.55, name, fontsize=9, va="center")
+        ax.text(4.1, y - 0.05, role, fontsize=7, va="center", color="#444444")
+    ax.text(3.5, 0.2, "each (T × d_out)", ha="center", fontsize=8)
+    _arrow(ax, (7.4, 7.7), (9.0, 6.4), color=BLUE)
+    _arrow(ax, (7.4, 4.9), (9.0, 5.8), color=ORANGE)
+    cell = 0.38
+    x0, y0 = 9.2, 4.3
+    for i in range(5):  # the T × T scores, one row per query
+        for j in range(5):
+            ax.add_patch(Rectangle((x0 + j * cell, y0 + (4 - i) * cell), cell, cell, facecolor="#CFE0F3",
+                                   edgecolor="white"))
+    ax.text(x0 + 2.5 * cell, y0 + 5 * cell + 0.2, "scores\nQ·Kᵀ / √d_out\n(T × T)", ha="center", va="bottom",
+            fontsize=8)
+    _arrow(ax, (x0 + 5 * cell + 0.1, y0 + 2.5 * cell), (12.4, y0 + 2.5 * cell))
+    ax.text(12.0, y0 + 2.5 * cell + 0.55, "softmax\nper row", ha="center", fontsize=8)
+    x1 = 12.6
+    shades = [0.15, 0.35, 0.9, 0.25, 0.5]
+    for i in range(5):
+        for j in range(5):
+            ax.add_patch(Rectangle((x1 + j * cell, y0 + (4 - i) * cell), cell, cell, facecolor=PURPLE,
+                                   alpha=shades[(i + 2 * j) % 5], edgecolor="white"))
+    ax.text(x1 + 2.5 * cell, y0 + 5 * cell + 0.2, "weights A\n(T × T),\nrows sum to 1", ha="center", va="bottom",
+            fontsize=8)
+    _arrow(ax, (x1 + 5 * cell + 0.1, y0 + 2.5 * cell), (16.4, y0 + 2.5 * cell))
+    ax.text(15.95, y0 + 2.5 * cell + 0.35, "A·V", ha="center", fontsize=8)
+    _arrow(ax, (7.4, 2.0), (16.3, y0 + 0.5), color=GREEN)
+    ax.add_patch(Rectangle((16.6, y0), 0.8, 5 * cell, facecolor=GREEN, alpha=0.9, edgecolor="black"))
+    ax.text(17.0, y0 + 5 * cell + 0.2, "context Z\n(T × d_out)", ha="center", va="bottom", fontsize=8)
+    ax.text(13.7, 1.3, "row t of Z: the values of all tokens,\nweighted by how well their keys\nmatch query t",
+            ha="center", va="center", fontsize=8)
+    return fig
+
+
 FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "next_token_windows": next_token_windows,
     "training_loop": training_loop,
@@ -487,6 +531,7 @@ FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "bpe_merge_step": bpe_merge_step,
     "batch_stacking": batch_stacking,
     "embedding_lookup": embedding_lookup,
+    "qkv_one_head": qkv_one_head,
 }
 ATTACHMENT = re.compile(r"!\[[^\]]*\]\(attachment:([\w-]+)\.png\)")
 
