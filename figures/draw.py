@@ -517,6 +517,69 @@ def qkv_one_head():
     return fig
 
 
+def gpt_shapes():
+    """The whole GPT as a stack of shapes: ids in, an embedding sum, n_layers blocks, a LayerNorm, logits out."""
+    fig, ax = _canvas(8.4, 7.4, (0, 16.8), (0, 14.8))
+    x0, w = 3.0, 8.6
+    mid = x0 + w / 2
+    rows = [  # (y, label, colour, the shape that leaves the box)
+        (0.4, "token ids", "white", "(B, T) integers"),
+        (2.2, "token embedding: row id of a (V × d) table", "#CFE0F3", "(B, T, d)"),
+        (4.0, "+ position embedding: row t of (context × d)", "#D5ECD9", "(B, T, d)"),
+        (5.8, "dropout", "#F3F3F3", "(B, T, d)"),
+        (7.6, "transformer block × n_layers", "#F6D9C4", "(B, T, d)"),
+        (9.4, "final LayerNorm", "#E8E8E8", "(B, T, d)"),
+        (11.2, "LM head: Linear d → V (no bias)", "#CFE0F3", "(B, T, V)"),
+        (13.0, "logits: a score for every vocabulary token", "white", "at each position"),
+    ]
+    for i, (y, label, color, shape) in enumerate(rows):
+        _box(ax, x0, y, w, 1.0, label, color=color, fontsize=9)
+        ax.text(x0 + w + 0.4, y + 0.5, shape, fontsize=9, va="center", color="#333333")
+        if i < len(rows) - 1:
+            _arrow(ax, (mid, y + 1.0), (mid, rows[i + 1][0]))
+    lane = x0 - 0.9  # weight tying: the head's weight is the token table
+    ax.plot([x0, lane, lane, x0], [2.7, 2.7, 11.7, 11.7], color=PURPLE, lw=1.4, ls="--")
+    ax.text(lane - 0.15, 7.2, "tied: the head's\nweight is the\n(V × d) table", fontsize=8, ha="right",
+            va="center", color=PURPLE)
+    ax.text(8.4, 14.3, "B batch, T tokens (≤ context), d = d_model, V vocabulary", ha="center", fontsize=9)
+    return fig
+
+
+def feed_forward_gelu_swiglu():
+    """GPT-2's MLP (d→4d, GELU, 4d→d) beside the gated SwiGLU one (gate and up d→h, SiLU(gate)·up, h→d)."""
+    fig, ax = _canvas(10.5, 4.4, (0, 21), (0, 8.8))
+    ax.text(4.8, 8.3, "GPT-2: two matrices, 2 · d · 4d = 8d² weights", ha="center", fontsize=9)
+    _box(ax, 3.0, 0.6, 3.6, 0.8, "x  (d)", fontsize=9)
+    _box(ax, 3.0, 2.2, 3.6, 0.9, "fc: d → 4d", color="#CFE0F3", fontsize=9)
+    _box(ax, 3.0, 3.9, 3.6, 0.9, "GELU", color="#F6D9C4", fontsize=9)
+    _box(ax, 3.0, 5.6, 3.6, 0.9, "proj: 4d → d", color="#CFE0F3", fontsize=9)
+    for y0, y1 in ((1.4, 2.2), (3.1, 3.9), (4.8, 5.6), (6.5, 7.3)):
+        _arrow(ax, (4.8, y0), (4.8, y1))
+    ax.text(4.8, 7.45, "out  (d)", ha="center", fontsize=9)
+    ax.plot([10.5, 10.5], [0.3, 8.0], color=GREY, lw=1)
+    ax.text(15.9, 8.3, "SwiGLU: three matrices, 3 · d · h ≈ 8d² for h ≈ 8d/3", ha="center", fontsize=9)
+    _box(ax, 14.1, 0.6, 3.6, 0.8, "x  (d)", fontsize=9)
+    _box(ax, 11.6, 2.2, 3.4, 0.9, "gate: d → h", color="#CFE0F3", fontsize=9)
+    _box(ax, 16.8, 2.2, 3.4, 0.9, "up: d → h", color="#CFE0F3", fontsize=9)
+    _box(ax, 11.6, 3.9, 3.4, 0.9, "SiLU", color="#F6D9C4", fontsize=9)
+    ax.add_patch(plt.Circle((15.9, 4.35), 0.35, facecolor="white", edgecolor="black", lw=1.2))
+    ax.text(15.9, 4.35, "×", ha="center", va="center", fontsize=12)
+    _box(ax, 14.1, 5.6, 3.6, 0.9, "proj: h → d", color="#CFE0F3", fontsize=9)
+    _arrow(ax, (15.4, 1.4), (13.3, 2.2))
+    _arrow(ax, (16.4, 1.4), (18.5, 2.2))
+    _arrow(ax, (13.3, 3.1), (13.3, 3.9))
+    _arrow(ax, (15.05, 4.35), (15.55, 4.35))
+    ax.plot([18.5, 18.5], [3.1, 4.35], color="black", lw=1.2)
+    _arrow(ax, (18.5, 4.35), (16.25, 4.35))
+    _arrow(ax, (15.9, 4.7), (15.9, 5.6))
+    _arrow(ax, (15.9, 6.5), (15.9, 7.3))
+    ax.text(15.9, 7.45, "out  (d)", ha="center", fontsize=9)
+    ax.text(19.0, 5.2, "the gate scales\nthe up path,\nelement by element", fontsize=7, va="center")
+    ax.text(10.5, 0.05, "helpers stores gate and up as one Linear d → 2h (`fc`) and splits its output in two",
+            ha="center", fontsize=8)
+    return fig
+
+
 FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "next_token_windows": next_token_windows,
     "training_loop": training_loop,
@@ -532,6 +595,8 @@ FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "batch_stacking": batch_stacking,
     "embedding_lookup": embedding_lookup,
     "qkv_one_head": qkv_one_head,
+    "gpt_shapes": gpt_shapes,
+    "feed_forward_gelu_swiglu": feed_forward_gelu_swiglu,
 }
 ATTACHMENT = re.compile(r"!\[[^\]]*\]\(attachment:([\w-]+)\.png\)")
 
