@@ -580,6 +580,59 @@ def feed_forward_gelu_swiglu():
     return fig
 
 
+def simplified_attention():
+    """No weights yet: one query scores every token by a dot product, softmax turns the scores into weights."""
+    fig, ax = _canvas(10.5, 3.9, (0, 21), (0, 7.8))
+    tokens = ["Att", "ention", " lets", " each", " token", " look", " back"]
+    weights = [0.05, 0.55, 0.2, 0.05, 0.03, 0.06, 0.06]  # a shape to show, not the notebook's numbers
+    query = 1
+    ax.text(0.1, 6.9, "inputs x_j", fontsize=9, va="center")
+    ax.text(0.1, 5.2, "scores\nω_j = x_2 · x_j", fontsize=9, va="center")
+    ax.text(0.1, 3.0, "weights\nα_j = softmax(ω)_j", fontsize=9, va="center")
+    for j, (token, weight) in enumerate(zip(tokens, weights, strict=True)):
+        x = 4.0 + j * 1.75
+        _box(ax, x, 6.5, 1.5, 0.8, token.replace(" ", "␣"), color=ORANGE if j == query else "#CFE0F3", fontsize=8)
+        _arrow(ax, (x + 0.75, 6.45), (x + 0.75, 5.75))
+        _box(ax, x + 0.25, 4.9, 1.0, 0.8, f"ω_{j + 1}", color="white", fontsize=8)
+        _arrow(ax, (x + 0.75, 4.85), (x + 0.75, 4.25))
+        ax.add_patch(Rectangle((x + 0.35, 2.0), 0.8, 2.1 * weight / max(weights), facecolor=PURPLE, alpha=0.7,
+                               edgecolor="black"))
+        ax.text(x + 0.75, 1.65, f"α_{j + 1}", ha="center", va="center", fontsize=8)
+    ax.text(4.0 + query * 1.75 + 0.75, 7.55, "the query", ha="center", fontsize=8, color=ORANGE)
+    ax.plot([3.9, 16.3], [2.0, 2.0], color="black", lw=0.8)
+    ax.text(10.1, 0.6, "context z_2 = Σ_j α_j · x_j : the inputs averaged with these weights, which sum to 1",
+            ha="center", fontsize=9)
+    ax.text(16.6, 3.0, "softmax over\nthe row", fontsize=8, va="center")
+    return fig
+
+
+def layer_norm():
+    """LayerNorm acts on each token's vector alone: centre it, divide by its spread, then a learned scale and shift."""
+    fig, ax = _canvas(10.5, 3.4, (0, 21), (0, 6.8))
+    values = [2.5, -0.5, 1.5, 4.0, 0.5, 3.5]  # one token's features, before
+    mean = sum(values) / len(values)
+    std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+    scale, shift = [1.3, 0.7, 1.0, 1.2, 0.8, 1.1], [0.3, -0.2, 0.4, 0.0, 0.2, -0.3]  # learned per feature
+    stages = [("one token's d features", values, GREY),
+              ("− mean", [v - mean for v in values], BLUE),
+              ("÷ √(variance + eps)", [(v - mean) / std for v in values], BLUE),
+              ("× weight + bias\n(learned, per feature)",
+               [w * (v - mean) / std + b for v, w, b in zip(values, scale, shift, strict=True)], GREEN)]
+    for s, (title, vals, color) in enumerate(stages):
+        x0 = 0.6 + s * 5.2
+        base = 3.0
+        ax.plot([x0 - 0.1, x0 + 3.7], [base, base], color="black", lw=0.8)
+        for i, v in enumerate(vals):
+            ax.add_patch(Rectangle((x0 + i * 0.6, base), 0.45, 0.55 * v, facecolor=color, alpha=0.75,
+                                   edgecolor="black", lw=0.6))
+        ax.text(x0 + 1.8, 0.35, title, ha="center", va="bottom", fontsize=9)
+        if s < len(stages) - 1:
+            _arrow(ax, (x0 + 3.9, base + 1.0), (x0 + 4.9, base + 1.0))
+    ax.text(10.5, 6.35, "after the division: mean 0 and variance 1 across the features of each token; the batch "
+            "and the other tokens play no part", ha="center", fontsize=9)
+    return fig
+
+
 FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "next_token_windows": next_token_windows,
     "training_loop": training_loop,
@@ -597,6 +650,8 @@ FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "qkv_one_head": qkv_one_head,
     "gpt_shapes": gpt_shapes,
     "feed_forward_gelu_swiglu": feed_forward_gelu_swiglu,
+    "simplified_attention": simplified_attention,
+    "layer_norm": layer_norm,
 }
 ATTACHMENT = re.compile(r"!\[[^\]]*\]\(attachment:([\w-]+)\.png\)")
 
