@@ -294,15 +294,7 @@ def training_loop():
              ("loss\nF.cross_entropy", "#CFE0F3"), ("backward\nloss.backward()", "#F6D5BE"),
              ("clip the gradients'\nglobal norm to 1", "#F6D5BE"), ("AdamW step\nat lr(step)", "#D5ECD9"),
              ("zero_grad()", "#EEEEEE")]
-    w, h, gap = 2.7, 1.2, 0.25
-    for i, (text, color) in enumerate(steps):
-        x = 0.2 + i * (w + gap)
-        _box(ax, x, 5.6, w, h, text, color=color, fontsize=7)
-        if i < len(steps) - 1:
-            _arrow(ax, (x + w + 0.02, 6.2), (x + w + gap - 0.02, 6.2))
-    right = 0.2 + (len(steps) - 1) * (w + gap) + w / 2
-    ax.add_patch(FancyArrowPatch((right, 5.55), (1.55, 5.55), connectionstyle="arc3,rad=-0.12", arrowstyle="-|>",
-                                 mutation_scale=12, color="black", lw=1.2))
+    _loop_of_boxes(ax, steps, y=5.6, w=2.7, h=1.2, gap=0.25, fontsize=7, bend=-0.12)
     ax.text(10.5, 3.75, "step += 1, repeat for STEPS steps; AdamW's moments carry over from step to step",
             ha="center", fontsize=8)
     sx, sy, sw, sh = 13.4, 0.3, 6.5, 2.3  # the schedule: linear warm-up, then a cosine down to max_lr / 10
@@ -633,6 +625,298 @@ def layer_norm():
     return fig
 
 
+def _loop_of_boxes(ax, steps, y, w, h, gap, fontsize, bend):
+    """A row of (text, colour) boxes joined by arrows, and an arc from the last one back to the first: a loop."""
+    for i, (text, color) in enumerate(steps):
+        x = 0.2 + i * (w + gap)
+        _box(ax, x, y, w, h, text, color=color, fontsize=fontsize)
+        if i < len(steps) - 1:
+            _arrow(ax, (x + w + 0.02, y + h / 2), (x + w + gap - 0.02, y + h / 2))
+    last = 0.2 + (len(steps) - 1) * (w + gap) + w / 2
+    ax.add_patch(FancyArrowPatch((last, y - 0.05), (0.2 + w / 2, y - 0.05), connectionstyle=f"arc3,rad={bend}",
+                                 arrowstyle="-|>", mutation_scale=12, color="black", lw=1.2))
+
+
+def document_split():
+    """Two ways to hold out 10% of the corpus: its alphabetical tail, or whole documents drawn from all over it."""
+    fig, ax = _canvas(9.6, 2.6, (0, 19.2), (0, 5.2))
+    widths = [0.9, 0.5, 0.7, 1.1, 0.4, 0.8, 0.6, 1.0, 0.5, 0.7, 0.9, 0.4, 0.6, 0.8, 0.5, 1.0, 0.7, 0.5, 0.6, 0.8]
+    held_out = {2, 9, 15}  # document_split's draw: anywhere in the corpus
+    x0 = 5.2
+    tail = x0 + 0.9 * sum(widths)  # where the last 10% of the characters begins
+    for row, (label, y) in enumerate((("hold out the last 10%", 3.6), ("document_split", 1.4))):
+        ax.text(0.2, y + 0.35, label, fontsize=9, va="center")
+        x = x0
+        for i, w in enumerate(widths):
+            validation = x >= tail - 1e-9 if row == 0 else i in held_out
+            ax.add_patch(Rectangle((x, y), w, 0.7, facecolor=ORANGE if validation else "#CFE0F3", edgecolor="black",
+                                   lw=0.8))
+            x += w
+    ax.plot([tail, tail], [3.4, 4.5], color=RED, lw=1.5, ls="--")
+    ax.text(x0, 4.85, "the corpus: one document per topic, in alphabetical order", fontsize=9, va="center")
+    ax.text(tail + 0.3, 3.15, "the last topics: tables and\nindentation, unlike the rest", fontsize=8, va="top",
+            ha="right")
+    ax.text(x0, 0.9, "whole documents drawn at random while they fit in 10% of the characters; no document in both "
+            "parts", fontsize=8, va="center")
+    ax.add_patch(Rectangle((0.2, 0.05), 0.5, 0.4, facecolor="#CFE0F3", edgecolor="black", lw=0.8))
+    ax.text(0.85, 0.25, "training", fontsize=8, va="center")
+    ax.add_patch(Rectangle((2.6, 0.05), 0.5, 0.4, facecolor=ORANGE, edgecolor="black", lw=0.8))
+    ax.text(3.25, 0.25, "validation", fontsize=8, va="center")
+    return fig
+
+
+def next_token_loss():
+    """The loss of one window: at each position, minus the log of the probability the model gave the next token."""
+    fig, ax = _canvas(10.5, 4.0, (0, 21), (0.2, 8.2))
+    inputs, targets = ["The", "return", "statement", "is"], ["return", "statement", "is", "used"]
+    probs = [[0.05, 0.3, 0.1, 0.2, 0.05, 0.15, 0.1, 0.05], [0.1, 0.05, 0.5, 0.1, 0.05, 0.1, 0.05, 0.05],
+             [0.05, 0.1, 0.05, 0.15, 0.35, 0.1, 0.1, 0.1], [0.2, 0.1, 0.05, 0.1, 0.05, 0.1, 0.3, 0.1]]
+    hit = [1, 2, 4, 0]  # the bar of the target token in each distribution
+    _box(ax, 0.4, 2.2, 13.2, 0.9, "the GPT (causal: position i sees tokens 0..i only)", color="#E8E8E8")
+    for i, (x_tok, y_tok) in enumerate(zip(inputs, targets, strict=True)):
+        x = 0.6 + i * 3.3
+        _box(ax, x, 0.4, 2.9, 0.8, f"x{i} = {x_tok}", color="#CFE0F3", fontsize=8)
+        _arrow(ax, (x + 1.45, 1.25), (x + 1.45, 2.15))
+        _arrow(ax, (x + 1.45, 3.15), (x + 1.45, 3.75))
+        for j, p in enumerate(probs[i]):  # the softmax over the vocabulary, a few of its tokens shown
+            ax.add_patch(Rectangle((x + 0.1 + j * 0.34, 3.8), 0.28, p * 5, facecolor=ORANGE if j == hit[i] else GREY,
+                                   edgecolor="black", lw=0.5))
+        ax.text(x + 1.45, 6.65, f"target y{i} = {y_tok}", ha="center", fontsize=8)
+        ax.text(x + 1.45, 7.4, f"−ln p(y{i}) = {-math.log(probs[i][hit[i]]):.1f}", ha="center", fontsize=9,
+                color=ORANGE)
+    ax.text(13.9, 5.0, "softmax over the V tokens:\na distribution per position;\norange = the target's "
+            "probability", fontsize=8, va="center")
+    ax.text(13.9, 7.4, "loss = mean over all positions\n= cross-entropy (nats per token)", fontsize=9, va="center")
+    ax.text(13.9, 2.0, "untrained: p ≈ 1/V everywhere,\nso loss ≈ ln V;\nperplexity = e^loss", fontsize=8,
+            va="center")
+    ax.text(13.9, 0.8, "(the probabilities shown are made up)", fontsize=8, va="center", color="#777777")
+    return fig
+
+
+def generation_loop():
+    """Autoregressive decoding: the model scores the next token, a rule picks one, it is appended, and again."""
+    fig, ax = _canvas(10.5, 2.7, (0, 21), (0.5, 5.9))
+    steps = [("token ids\n(1, t)", "#EEEEEE"), ("model on the last\nCONTEXT ids", "#CFE0F3"),
+             ("logits of the\nlast position (V,)", "#CFE0F3"), ("penalties, then /T,\ntop-k, top-p", "#F6D5BE"),
+             ("pick one token:\nargmax or sample", "#F6D5BE"), ("append the token:\nids (1, t + 1)", "#D5ECD9")]
+    _loop_of_boxes(ax, steps, y=3.5, w=3.0, h=1.3, gap=0.45, fontsize=8, bend=-0.1)
+    ax.text(10.5, 1.75, "repeat until n new tokens: each step runs the model once and adds one token", ha="center",
+            fontsize=9)
+    ax.text(10.5, 0.8, "the decoding rule (orange) is the only part that differs between greedy, temperature, "
+            "top-k and top-p", ha="center", fontsize=8)
+    ax.text(10.5, 5.3, "one step = one new token", ha="center", fontsize=9)
+    return fig
+
+
+def top_k_top_p():
+    """Top-k keeps a fixed number of tokens; top-p as many as reach probability p: few when sure, many when not."""
+    peaked = [0.62, 0.3, 0.02, 0.015, 0.012, 0.01, 0.008, 0.006, 0.004, 0.003, 0.001, 0.001]
+    flat = [0.16, 0.14, 0.12, 0.11, 0.1, 0.09, 0.08, 0.07, 0.05, 0.04, 0.03, 0.01]
+    k, p = 4, 0.9
+    fig, axes = plt.subplots(2, 2, figsize=(10.5, 4.6), dpi=DPI, sharey=True)
+    for col, (probs, title) in enumerate(((peaked, "the model is sure"), (flat, "the model is unsure"))):
+        above = [sum(probs[:i]) for i in range(len(probs))]  # the probability ranked above each token
+        rules = ((f"top-k, k = {k}", [i < k for i in range(len(probs))]),
+                 (f"top-p, p = {p}", [a < p for a in above]))
+        for row, (rule, keep) in enumerate(rules):
+            ax = axes[row, col]
+            ax.bar(range(len(probs)), probs, color=[BLUE if kept else GREY for kept in keep], edgecolor="black",
+                   lw=0.6)
+            ax.set_xticks(range(len(probs)), [str(i + 1) for i in range(len(probs))], fontsize=8)
+            ax.tick_params(axis="y", labelsize=8)
+            ax.text(0.97, 0.85, f"{rule}: keeps {sum(keep)}", transform=ax.transAxes, ha="right", fontsize=9)
+            for side in ("top", "right"):
+                ax.spines[side].set_visible(False)
+        axes[0, col].set_title(title, fontsize=10)
+        axes[1, col].set_xlabel("tokens ranked by probability", fontsize=8)
+    for row in range(2):
+        axes[row, 0].set_ylabel("probability", fontsize=8)
+    fig.suptitle("Blue tokens are kept and renormalised; grey ones get probability 0", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def decoding_penalties():
+    """The three penalties on the logits of tokens the context already holds (count = how often)."""
+    tokens, counts, logits = ["A", "B", "C", "D"], [0, 1, 3, 2], [3.0, 2.5, 2.0, -1.0]
+    r, alpha, beta = 1.5, 0.5, 1.0
+    rules = {f"repetition penalty r = {r}\n(seen: positive / r, negative × r)":
+             [z if n == 0 else (z / r if z > 0 else z * r) for z, n in zip(logits, counts, strict=True)],
+             f"frequency penalty α = {alpha}\n(z − α · count)": [z - alpha * n for z, n in zip(logits, counts,
+                                                                                                   strict=True)],
+             f"presence penalty β = {beta}\n(z − β, once, if seen)": [z - beta * (n > 0) for z, n in
+                                                                        zip(logits, counts, strict=True)]}
+    fig, axes = plt.subplots(1, 3, figsize=(10.5, 3.4), dpi=DPI, sharey=True)
+    labels = [f"{t}\ncount {n}" for t, n in zip(tokens, counts, strict=True)]
+    for ax, (title, after) in zip(axes, rules.items(), strict=True):
+        ax.bar([i - 0.2 for i in range(4)], logits, width=0.4, color=GREY, edgecolor="black", lw=0.6, label="before")
+        ax.bar([i + 0.2 for i in range(4)], after, width=0.4, color=ORANGE, edgecolor="black", lw=0.6, label="after")
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xticks(range(4), labels, fontsize=8)
+        ax.tick_params(axis="y", labelsize=8)
+        ax.set_title(title, fontsize=9)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    axes[0].set_ylabel("logit", fontsize=9)
+    axes[0].legend(fontsize=8, loc="upper right")
+    fig.suptitle("Penalties lower the logits of tokens already in the context (A is unseen: unchanged)",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def prefill_decode():
+    """A cached generation: one prefill pass writes the prompt's keys and values, then each decode step adds one."""
+    fig, ax = _canvas(10.5, 3.9, (0, 21), (0, 7.8))
+    prompt, new = 4, 4  # P prompt tokens, N new ones: the cache holds P + N - 1 positions
+    slots = prompt + new - 1
+    cx, cw = 9.0, 1.0
+    ax.text(cx + slots * cw / 2, 7.3, f"the KV cache: room for P + N − 1 = {slots} positions (every layer)",
+            ha="center", fontsize=9)
+    for step in range(new):
+        y = 5.9 - step * 1.45
+        fed = [f"t{i}" for i in range(prompt)] if step == 0 else [f"t{prompt + step - 1}"]
+        label = f"prefill: {prompt} prompt tokens, one pass" if step == 0 else f"decode step {step}: one token"
+        ax.text(0.2, y + 0.35, label, fontsize=9, va="center")
+        ax.text(6.2, y + 0.35, " ".join(fed), fontsize=9, va="center", color=ORANGE if step else BLUE)
+        _arrow(ax, (8.0, y + 0.35), (cx - 0.1, y + 0.35))
+        written = range(prompt) if step == 0 else [prompt + step - 1]
+        for s in range(slots):
+            color = (BLUE if step == 0 else ORANGE) if s in written else (GREEN if s < prompt + step - 1 else "white")
+            ax.add_patch(Rectangle((cx + s * cw, y), cw, 0.7, facecolor=color, edgecolor="black", lw=0.8))
+            if step == 0:
+                ax.text(cx + (s + 0.5) * cw, y + 1.0, str(s), ha="center", fontsize=8)
+        _arrow(ax, (cx + slots * cw + 0.2, y + 0.35), (cx + slots * cw + 1.2, y + 0.35))
+        ax.text(cx + slots * cw + 1.4, y + 0.35, f"predicts t{prompt + step}", fontsize=9, va="center")
+    ax.text(10.5, 0.2, f"t{prompt + new - 1}, the last new token, is returned and never fed back. Blue: written by the "
+            "prefill; orange: written this step; green: read from the cache", ha="center", fontsize=8)
+    return fig
+
+
+def kv_cache_memory():
+    """What the cache stores: a key and a value of d_model numbers per token, in every layer."""
+    fig, ax = _canvas(10.5, 3.1, (0, 21), (0.4, 6.6))
+    layers, tokens = 4, 7
+    x0, y0, cw, ch = 1.8, 1.2, 1.2, 1.2
+    for layer in range(layers):
+        y = y0 + layer * ch
+        ax.text(x0 - 0.2, y + ch / 2, f"layer {layer + 1}", ha="right", va="center", fontsize=9)
+        for t in range(tokens):
+            new = t == tokens - 1
+            for half, name in enumerate(("k", "v")):
+                ax.add_patch(Rectangle((x0 + t * cw + half * cw / 2, y + 0.1), cw / 2, ch - 0.2,
+                                       facecolor=ORANGE if new else ("#CFE0F3" if half == 0 else "#D5ECD9"),
+                                       edgecolor="black", lw=0.6))
+                ax.text(x0 + t * cw + (half + 0.5) * cw / 2, y + ch / 2, name, ha="center", va="center", fontsize=8)
+    for t in range(tokens):
+        ax.text(x0 + (t + 0.5) * cw, y0 - 0.4, f"token {t + 1}" if t < tokens - 1 else "new", ha="center",
+                fontsize=8)
+    ax.text(x0 + tokens * cw / 2, y0 + layers * ch + 0.4, "positions so far →", ha="center", fontsize=9)
+    tx = x0 + tokens * cw + 0.6
+    ax.text(tx, 5.4, "each token adds, in every layer,\na key and a value of d_model numbers (orange):",
+            fontsize=9, va="center")
+    ax.text(tx, 4.3, "bytes per token = 2 · n_layers · d_model · bytes per element", fontsize=9, va="center",
+            bbox=dict(boxstyle="round", facecolor="white", edgecolor=ORANGE))
+    ax.text(tx, 2.5, "the whole cache = bytes per token × tokens × batch:\nit grows with the length and the batch;\n"
+            "the weights stay the same size", fontsize=9, va="center")
+    return fig
+
+
+def gpt2_and_llama_blocks():
+    """GPT-2's block beside a LLaMA-style block: the same residual stack, each part swapped for a newer one."""
+    fig, ax = _canvas(10.5, 6.7, (0, 16.4), (-0.5, 10.0))
+    columns = {"GPT-2": (0.9, ["token embedding + learned position table", "LayerNorm",
+                               "multi-head attention (biases)", "LayerNorm", "MLP: d→4d, GELU, 4d→d",
+                               "LayerNorm → LM head (tied)"]),
+               "LLaMA-style": (9.5, ["token embedding (no position table)", "RMSNorm",
+                                     "attention: RoPE on q, k; GQA; no biases", "RMSNorm",
+                                     "SwiGLU: gate and up, 8d/3 wide", "RMSNorm → LM head (untied)"])}
+    ys = [0.3, 2.0, 3.2, 5.3, 6.5, 8.6]
+    colors = ["white", "#E8E8E8", "#CFE0F3", "#E8E8E8", "#F6D9C4", "white"]  # by role: norms, attention, MLP
+    w, h = 6.0, 0.8
+    for name, (x0, labels) in columns.items():
+        mid = x0 + w / 2
+        ax.add_patch(Rectangle((x0 - 0.75, 1.35), w + 0.95, 6.95, facecolor="none", edgecolor=GREY, ls="--"))
+        ax.text(x0 + w + 0.1, 8.05, "× n_layers", ha="right", fontsize=8)
+        for y, label, color in zip(ys, labels, colors, strict=True):
+            _box(ax, x0, y, w, h, label, color=color, fontsize=8)
+        for y_add in (4.55, 7.85):  # the two residual additions
+            ax.add_patch(plt.Circle((mid, y_add), 0.25, facecolor="white", edgecolor="black", lw=1.2))
+            ax.text(mid, y_add, "+", ha="center", va="center", fontsize=11)
+        for start, end in ((0.3 + h, 2.0), (2.0 + h, 3.2), (3.2 + h, 4.3), (4.8, 5.3), (5.3 + h, 6.5),
+                           (6.5 + h, 7.6), (8.1, 8.6)):
+            _arrow(ax, (mid, start), (mid, end))
+        for leave, y_add in ((1.55, 4.55), (4.95, 7.85)):  # residual: around each sub-layer, onto the +
+            lane = x0 - 0.45
+            ax.plot([mid, lane, lane], [leave, leave, y_add], color=GREEN, lw=1.4)
+            _arrow(ax, (lane, y_add), (mid - 0.25, y_add), color=GREEN)
+        ax.text(mid, 9.65, name, ha="center", fontsize=11, weight="bold")
+    ax.text(8.2, 9.65, "vs", ha="center", fontsize=10)
+    ax.text(8.2, -0.3, "green: the residual stream, added back after each sub-layer", ha="center", fontsize=8,
+            color=GREEN)
+    return fig
+
+
+def rope_rotation():
+    """RoPE turns each pair of a head's dimensions by position × frequency: a query-key score sees only m − n."""
+    fig, axes = plt.subplots(1, 2, figsize=(10.5, 5.0), dpi=DPI)
+    theta, start = 0.35, 0.3  # the pair's frequency (radians per position); q and k start in one direction
+    for ax, (m, n, title) in zip(axes, ((3, 1, "q at position m = 3, k at position n = 1"),
+                                        (6, 4, "both 3 positions later: m = 6, n = 4")), strict=True):
+        ax.set_xlim(-1.5, 1.5)
+        ax.set_ylim(-1.4, 1.5)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        ax.add_patch(plt.Circle((0, 0), 1.0, fill=False, color=GREY, ls=":"))
+        ax.plot([0, 1.1 * math.cos(start)], [0, 1.1 * math.sin(start)], color=GREY, lw=1.2, ls="--")
+        ax.text(1.15 * math.cos(start), 1.15 * math.sin(start) - 0.12, "q, k before\nthe rotation", fontsize=8,
+                color="#777777", va="top")
+        for pos, length, color, name in ((m, 1.0, BLUE, "q"), (n, 0.75, ORANGE, "k")):
+            turned = start + pos * theta
+            _arrow(ax, (0, 0), (length * math.cos(turned), length * math.sin(turned)), color=color)
+            ax.text((length + 0.3) * math.cos(turned), (length + 0.2) * math.sin(turned),
+                    rf"{name}: turned by ${pos}\theta_i$", ha="center", va="center", fontsize=9, color=color)
+        a0, a1 = start + n * theta, start + m * theta
+        arc = [(0.35 * math.cos(a0 + (a1 - a0) * s / 20), 0.35 * math.sin(a0 + (a1 - a0) * s / 20))
+               for s in range(21)]
+        ax.plot(*zip(*arc, strict=True), color=PURPLE, lw=1.6)
+        ax.text(0, -1.3, rf"angle between q and k: $(m - n)\theta_i = {m - n}\theta_i$", ha="center", fontsize=9,
+                color=PURPLE)
+        ax.set_title(title, fontsize=10)
+    fig.suptitle(r"One pair $(x_i, x_{i+d/2})$ of a head's query and key, drawn as a point in the plane. The score "
+                 "depends on the angle between them,\n" r"so only on the distance $m - n$. Each pair turns at its "
+                 r"own speed $\theta_i = \theta^{-2i/d}$: fast for the first pairs, slow for the last.", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    return fig
+
+
+def gqa_heads():
+    """Which key/value head each query head reads: one each (MHA), one per group (GQA), one for all (MQA)."""
+    fig, ax = _canvas(10.5, 3.0, (0, 21), (0.3, 6.3))
+    n_heads = 8
+    for col, (name, kv) in enumerate((("multi-head (MHA)", 8), ("grouped-query (GQA)", 2), ("multi-query (MQA)", 1))):
+        x0 = 0.4 + col * 7.0
+        group = n_heads // kv
+        ax.text(x0 + 3.0, 5.9, f"{name}: {kv} key/value head{'s' if kv > 1 else ''}", ha="center", fontsize=9)
+        kv_w = 6.0 / kv
+        for h in range(n_heads):
+            color = HEADS[(h // group) % len(HEADS)] if kv < n_heads else BLUE
+            ax.add_patch(Rectangle((x0 + h * 0.75, 4.6), 0.6, 0.8, facecolor=color, edgecolor="black", lw=0.6))
+            ax.text(x0 + h * 0.75 + 0.3, 5.0, f"q{h}", ha="center", va="center", fontsize=7, color="white")
+            kv_head = h // group
+            _arrow(ax, (x0 + h * 0.75 + 0.3, 4.55), (x0 + (kv_head + 0.5) * kv_w, 2.85), color=GREY)
+        for j in range(kv):
+            color = HEADS[j % len(HEADS)] if kv < n_heads else BLUE
+            ax.add_patch(Rectangle((x0 + j * kv_w + 0.05, 1.9), kv_w - 0.1, 0.9, facecolor=color, edgecolor="black",
+                                   lw=0.6, alpha=0.6))
+            ax.text(x0 + (j + 0.5) * kv_w, 2.35, f"k{j}, v{j}" if kv < n_heads else f"k{j}\nv{j}", ha="center",
+                    va="center", fontsize=8 if kv < n_heads else 7)
+        ax.text(x0 + 3.0, 1.2, f"query head h reads key/value head h // {group}", ha="center", fontsize=8)
+        ax.text(x0 + 3.0, 0.6, f"KV cache: {kv}/{n_heads} of multi-head's" if kv < n_heads else "the full KV cache",
+                ha="center", fontsize=8)
+    return fig
+
+
 FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "next_token_windows": next_token_windows,
     "training_loop": training_loop,
@@ -652,6 +936,16 @@ FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "feed_forward_gelu_swiglu": feed_forward_gelu_swiglu,
     "simplified_attention": simplified_attention,
     "layer_norm": layer_norm,
+    "document_split": document_split,
+    "next_token_loss": next_token_loss,
+    "generation_loop": generation_loop,
+    "top_k_top_p": top_k_top_p,
+    "decoding_penalties": decoding_penalties,
+    "prefill_decode": prefill_decode,
+    "kv_cache_memory": kv_cache_memory,
+    "gpt2_and_llama_blocks": gpt2_and_llama_blocks,
+    "rope_rotation": rope_rotation,
+    "gqa_heads": gqa_heads,
 }
 ATTACHMENT = re.compile(r"!\[[^\]]*\]\(attachment:([\w-]+)\.png\)")
 
