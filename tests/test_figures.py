@@ -1,11 +1,16 @@
-"""The diagrams: drawn by figures/draw.py, committed, and embedded where the notebooks show them."""
+"""The diagrams: drawn by figures/draw.py, committed, and embedded where the notebooks show them; the core path's
+markdown in short steps with three diagrams or more a notebook."""
 
 import importlib.util
 import json
+import re
+import statistics
 import struct
 from pathlib import Path
 
 import pytest
+
+from helpers.notebooks import CORE_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,3 +64,24 @@ def test_a_stale_copy_fails_the_check_and_an_unknown_figure_is_refused(tmp_path,
     notebook.write_text(json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
     with pytest.raises(SystemExit, match="no figure \\['no_such_figure'\\]"):
         draw.embed(notebook, figures)
+
+
+def core_markdown(path):
+    """The words of each markdown cell of a notebook (image links left out) and the diagrams it shows."""
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown"]
+    sources = ["".join(c["source"]) for c in cells]
+    words = [len(re.sub(r"!\[[^\]]*\]\([^)]*\)", "", source).split()) for source in sources]
+    return words, sum(len(re.findall(r"\]\(attachment:", source)) for source in sources)
+
+
+def test_the_core_path_is_short_steps_with_a_picture_for_each_idea():
+    """One idea a markdown cell (the median cell 70 words at most, none over 200) and three diagrams or more in every
+    core notebook: the course reads as steps, not as a paper."""
+    words, diagrams = {}, {}
+    for name in CORE_PATH:
+        words[name], diagrams[name] = core_markdown(ROOT / name)
+    every = [n for cells in words.values() for n in cells]
+    assert statistics.median(every) <= 70, statistics.median(every)
+    assert {name: max(cells) for name, cells in words.items() if max(cells) > 200} == {}
+    assert {name: n for name, n in diagrams.items() if n < 3} == {}
+    assert sum(diagrams.values()) >= 24
