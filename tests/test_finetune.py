@@ -7,6 +7,7 @@ import torch
 from rouge_score import rouge_scorer
 
 from helpers.measure.answers import answer_questions, answer_summary, rouge_l
+from helpers.measure.fine_tuning import fine_tuning_cost, lora
 from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
 from helpers.text.bpe import train_bpe
@@ -115,3 +116,33 @@ def test_rouge_l_equals_rouge_scores():
     for answer, reference in pairs:
         assert rouge_l(answer, reference) == pytest.approx(scorer.score(reference, answer)["rougeL"].fmeasure,
                                                            abs=1e-12), (answer, reference)
+
+
+# ---- what fine-tuning costs ----
+
+COST_CONFIG = GPTConfig(vocab_size=256, context_length=64, d_model=64, n_heads=4, n_layers=2, dropout=0.0)
+
+
+def test_lora_trains_and_keeps_state_for_its_adapters_only():
+    full = fine_tuning_cost("full", COST_CONFIG, 4, 64).state
+    rank4 = fine_tuning_cost("lora 4", COST_CONFIG, 4, 64, lora(4)).state
+    d, layers = COST_CONFIG.d_model, COST_CONFIG.n_layers
+    assert full.trainable == full.parameters == GPT(COST_CONFIG).num_parameters()
+    assert full.gradient_bytes == 4 * full.trainable and full.optimizer_bytes == 8 * full.trainable
+    assert rank4.trainable == layers * 4 * ((d + 3 * d) + (d + d) + (d + 4 * d) + (4 * d + d))  # r·(in + out) each
+    assert rank4.optimizer_bytes == 8 * rank4.trainable and rank4.parameters == full.parameters + rank4.trainable
+    int8 = fine_tuning_cost("lora 4 int8", COST_CONFIG, 4, 64, lora(4, int8=True)).state
+    assert int8.trainable == rank4.trainable and int8.weight_bytes < 0.6 * rank4.weight_bytes
+
+
+@pytest.mark.parametrize("name, prepare", [("full", None), ("lora 8", lora(8)), ("lora 8 int8", lora(8, int8=True))])
+def test_a_fine_tuning_step_is_planned_as_it_measures(name, prepare):
+    planned = fine_tuning_cost(name, COST_CONFIG, 4, 64, prepare)  # SDPA fused on the CPU too
+    measured = fine_tuning_cost(name, COST_CONFIG, 4, 64, prepare, device="cpu")
+    assert planned.peak_bytes == pytest.approx(measured.peak_bytes, rel=0.02)
+
+
+def test_lora_needs_less_memory_than_full_fine_tuning():
+    peaks = {name: fine_tuning_cost(name, COST_CONFIG, 4, 64, prepare).peak_bytes
+             for name, prepare in (("full", None), ("lora", lora(8)), ("int8", lora(8, int8=True)))}
+    assert peaks["int8"] < peaks["lora"] < peaks["full"], peaks

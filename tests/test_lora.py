@@ -161,3 +161,13 @@ def test_lora_over_int8_weights_starts_equal_trains_and_merges():
     merged = merge_lora(model)
     assert isinstance(merged.blocks[0].mlp.fc, torch.nn.Linear)
     torch.testing.assert_close(merged(x), adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_the_int8_layers_input_gradient_is_the_dequantized_weights():
+    layer = Int8Linear.from_linear(torch.nn.Linear(16, 24, dtype=torch.float64))
+    x = torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(3, 24, dtype=torch.float64)
+    layer(x).backward(grad)
+    reference = x.detach().clone().requires_grad_()
+    F.linear(reference, layer.weight, layer.bias).backward(grad)
+    torch.testing.assert_close(x.grad, reference.grad, rtol=0, atol=1e-12)

@@ -216,20 +216,24 @@ def precision(autocast: torch.dtype | None, device: str):
 def training_step_plan(config: GPTConfig, batch: int, seq: int, *, autocast: torch.dtype | None = None,
                        micro_batches: int = 1, fused_attention: bool = True, attn_implementation: str = "sdpa",
                        steps: int = 2, device: str = "meta", checkpointing: str | None = None,
-                       loss_chunk: int | None = None) -> MemoryPlan:
+                       loss_chunk: int | None = None, prepare: Callable[[GPT], GPT] | None = None) -> MemoryPlan:
     """The memory of `steps` training steps of `GPT(config)`: `micro_batches` forward and backward passes of
     (batch, seq) tokens each (the loss in fp32 at least, as `TrainingStep` computes it), gradient clipping, then
     AdamW (the multi-tensor implementation a GPU uses). `end_bytes`: weights and optimizer state.
     device: "meta" plans (see `plan_memory`); "cpu" runs the steps and measures them. checkpointing: the model's
     activation checkpointing (`GPT.set_activation_checkpointing`); loss_chunk: the LM head and loss in chunks of
-    that many tokens (`GPT.loss_sum`)."""
+    that many tokens (`GPT.loss_sum`). prepare: what is done to the model before training (`add_lora` freezes it
+    and adds adapters): the optimizer then keeps state for the parameters left trainable only."""
     if checkpointing is not None and device == "meta" and (fused_attention or autocast is not None):
         raise ValueError("plan activation checkpointing in fp32 with fused_attention=False (or on a real device): "
                          "the plan's stand-ins for autocast and fused attention do not reach the recomputation")
 
     def work():
         model = GPT(config, attn_implementation=attn_implementation).set_activation_checkpointing(checkpointing)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        if prepare is not None:
+            model = prepare(model)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
         x = torch.zeros(batch, seq, dtype=torch.long)
         for _ in range(steps):
             for _ in range(micro_batches):
@@ -245,7 +249,7 @@ def training_step_plan(config: GPTConfig, batch: int, seq: int, *, autocast: tor
                 del summed
                 loss.backward()
                 del loss
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return model, optimizer
