@@ -67,6 +67,22 @@ def pipeline(base, x, y, ref_logits, ref_grads, runtime, group) -> tuple[float, 
     return loss, grads
 
 
+def reference(base, x, y) -> tuple[torch.Tensor, dict]:
+    """The single-process model's logits and gradients, on a copy (`base` stays as it is for the split paths)."""
+    model = copy.deepcopy(base)
+    logits = model(x)
+    lm_loss(logits, y).backward()
+    return logits, {n: p.grad for n, p in model.named_parameters()}
+
+
+def finish(rows: list[dict], runtime) -> None:
+    """Rank 0 writes the rows to the path given first; every rank then exits."""
+    if runtime.is_main:
+        with open(sys.argv[1], "w") as f:
+            json.dump(rows, f)
+    finish_and_exit()
+
+
 def main() -> None:
     runtime = setup("cpu", timeout_s=120)
     group = tied_group(runtime.world_size)
@@ -80,10 +96,7 @@ def main() -> None:
             torch.manual_seed(0)
             base = GPT(GPTConfig(**{**CONFIG.__dict__, "ffn_type": ffn}), attn_implementation=name).to(dtype)
             try:
-                reference = copy.deepcopy(base)
-                ref_logits = reference(x)
-                lm_loss(ref_logits, y).backward()
-                ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+                ref_logits, ref_grads = reference(base, x, y)
             except (RuntimeError, ValueError) as err:  # not available here at all (flash-attn, FlexAttention's
                 for path in ("tensor_parallel", "dtensor", "pipeline"):  # backward on CPU)
                     rows.append({"path": path, "ffn": ffn, "impl": name, "status": "refused", "reason": str(err)})
@@ -98,10 +111,7 @@ def main() -> None:
                 rows.append({"path": path, "ffn": ffn, "impl": name, "status": "ok", "dtype": str(dtype),
                              "output_diff": max_over_ranks(first, runtime.device),
                              "grad_diff": max_over_ranks(grads, runtime.device)})
-    if runtime.is_main:
-        with open(sys.argv[1], "w") as f:
-            json.dump(rows, f)
-    finish_and_exit()
+    finish(rows, runtime)
 
 
 if __name__ == "__main__":

@@ -4,22 +4,15 @@ this file compares both split by tensor parallelism with one process, in float64
 type and path to the path given."""
 
 import contextlib
-import copy
-import json
-import sys
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from helpers.model.config import LLAMA_STYLE, GPTConfig
 from helpers.model.feed_forward import (
     FEED_FORWARDS,
     Elementwise,
     HFLayout,
-    Matmul,
-    Split,
     SwiGLUFeedForward,
     TwoLayerFeedForward,
     register_feed_forward,
@@ -50,22 +43,13 @@ class GeGLUFeedForward(SwiGLUFeedForward):
     """GeGLU (Shazeer 2020; Gemma): SwiGLU with the tanh GELU for SiLU, hidden width 3d, in the Llama layout."""
 
     name = "geglu"
-    tensor_parallel = {"fc": Split("column", parts=2), "proj": Split("row")}
+    gate = staticmethod(gelu_gate)
     hf_layouts = {"llama": HFLayout({"fc": ("gate_proj", "up_proj"), "proj": ("down_proj",)},
                                     ("gelu_pytorch_tanh",))}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(gelu_gate(*self.fc(x).chunk(2, dim=-1))))
 
     @classmethod
     def hidden_dim(cls, config: GPTConfig) -> int:
         return config.ffn_hidden or 3 * config.d_model
-
-    @classmethod
-    def matmuls(cls, config: GPTConfig) -> list[Matmul]:
-        hidden = cls.hidden_dim(config)
-        return [Matmul("feed-forward gate and up", config.d_model, 2 * hidden),
-                Matmul("feed-forward down", hidden, config.d_model)]
 
     @classmethod
     def elementwise(cls, config: GPTConfig) -> list[Elementwise]:
@@ -93,9 +77,9 @@ def registered(part):
 
 
 def main() -> None:
-    from helpers.parallel.runtime import finish_and_exit, max_over_ranks, setup
-    from helpers.parallel.tensor_parallel import parallelize_gpt, shard_of, tensor_parallel_gpt
-    from helpers.training.step import lm_loss
+    from distributed_paths import dtensor, finish, reference, tensor_parallel  # beside this file: every path's
+
+    from helpers.parallel.runtime import max_over_ranks, setup
 
     runtime = setup("cpu", timeout_s=120)
     rows = []
@@ -105,37 +89,12 @@ def main() -> None:
         config = config_for(part)
         base = GPT(config).double()
         x, y = (torch.randint(config.vocab_size, (3, config.context_length)) for _ in range(2))
-        reference = copy.deepcopy(base)
-        ref_logits = reference(x)
-        lm_loss(ref_logits, y).backward()
-        ref_grads = {n: p.grad for n, p in reference.named_parameters()}
-
-        model = tensor_parallel_gpt(base, runtime.rank, runtime.world_size)
-        logits = model(x)
-        lm_loss(logits, y).backward()
-        grads = max((p.grad - shard_of(model, n, ref_grads[n])).abs().max().item() for n, p in model.named_parameters())
-        rows.append({"ffn": part.name, "path": "tensor_parallel",
-                     "output_diff": max_over_ranks((logits - ref_logits).abs().max().item(), runtime.device),
-                     "grad_diff": max_over_ranks(grads, runtime.device),
-                     "sharded": model.blocks[0].mlp.fc.weight.shape[0] * runtime.world_size
-                     == base.blocks[0].mlp.fc.weight.shape[0]})
-
-        model = copy.deepcopy(base)
-        permutations = parallelize_gpt(model, init_device_mesh("cpu", (runtime.world_size,)))
-        logits = model(x)
-        lm_loss(logits, y).backward()
-        grads = 0.0
-        for n, p in model.named_parameters():
-            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            expected = ref_grads[n][permutations[n]] if n in permutations else ref_grads[n]
-            grads = max(grads, (grad - expected).abs().max().item())
-        rows.append({"ffn": part.name, "path": "dtensor",
-                     "output_diff": max_over_ranks((logits - ref_logits).abs().max().item(), runtime.device),
-                     "grad_diff": max_over_ranks(grads, runtime.device)})
-    if runtime.is_main:
-        with open(sys.argv[1], "w") as f:
-            json.dump(rows, f)
-    finish_and_exit()
+        ref_logits, ref_grads = reference(base, x, y)
+        for path, run in (("tensor_parallel", tensor_parallel), ("dtensor", dtensor)):
+            output, grads = run(base, x, y, ref_logits, ref_grads, runtime)
+            rows.append({"ffn": part.name, "path": path, "output_diff": max_over_ranks(output, runtime.device),
+                         "grad_diff": max_over_ranks(grads, runtime.device)})
+    finish(rows, runtime)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from helpers.training.lora import (
     save_adapter,
     trainable_parameters,
 )
-from helpers.training.step import lm_loss
+from helpers.training.step import TrainingStep
 
 CONFIG = GPTConfig(vocab_size=61, context_length=16, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
 
@@ -42,6 +42,12 @@ def randomise_adapters(model: GPT, seed: int = 1) -> None:
 
 def tokens(batch: int = 2, seq: int = 12, seed: int = 2) -> torch.Tensor:
     return torch.randint(CONFIG.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def train(model: GPT, x: torch.Tensor, y: torch.Tensor, steps: int = 20, lr: float = 1e-2) -> list[float]:
+    """The course's training step on one batch, AdamW over what is left trainable; the loss of each step."""
+    step = TrainingStep(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr))
+    return [step([(x, y)]).loss for _ in range(steps)]
 
 
 def test_a_lora_layer_is_the_weight_plus_the_scaled_low_rank_update():
@@ -66,15 +72,7 @@ def test_the_model_is_unchanged_at_step_zero_and_only_the_adapters_train():
     d, r = CONFIG.d_model, 4
     per_block = r * ((d + 3 * d) + (d + d) + (d + 4 * d) + (4 * d + d))  # qkv, out_proj, fc, proj: r·(in + out)
     assert trainable_parameters(model) == CONFIG.n_layers * per_block
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    model.train()
-    losses = []
-    for _ in range(20):
-        loss = lm_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train(model.train(), x, y)
     assert losses[-1] < losses[0] - 0.5, losses
     base_names = {n.replace(".base.", "."): p for n, p in model.named_parameters() if "lora_" not in n}
     assert base_names.keys() == frozen.keys()
@@ -148,14 +146,7 @@ def test_lora_over_int8_weights_starts_equal_trains_and_merges():
     assert torch.equal(model(x), before)
     assert trainable_parameters(model) > 0 and all(
         "lora_" in n for n, p in model.named_parameters() if p.requires_grad)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(20):
-        loss = lm_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train(model, x, y)
     assert losses[-1] < losses[0] - 0.5, losses
     adapted = model(x)
     merged = merge_lora(model)

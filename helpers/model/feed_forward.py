@@ -242,8 +242,10 @@ class SwiGLUFeedForward(FeedForwardPart):
         self.proj = nn.Linear(hidden, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
+    gate = staticmethod(silu_gate)  # what combines the gate and up halves (a gated variant changes this alone)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(silu_gate(*self.fc(x).chunk(2, dim=-1))))
+        return self.dropout(self.proj(self.gate(*self.fc(x).chunk(2, dim=-1))))
 
     @classmethod
     def hidden_dim(cls, config: GPTConfig) -> int:
