@@ -4,6 +4,7 @@ targets, the Jinja template writing the same tokens, a model grown for the new t
 and the standard-library questions deterministic and split by module."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
 from helpers.model.lm_head import IGNORE_INDEX
+from helpers.serving.checkpoint import export_for_serving, load_for_serving
 from helpers.text.bpe import train_bpe
 from helpers.text.chat import (
     ASSISTANT,
@@ -151,3 +153,21 @@ def test_the_first_doctest_is_the_example():
     doc = "Sum.\n\nText.\n\n    >>> add(1,\n    ...     2)\n    3\n\n    >>> other()\n"
     assert first_example(doc) == ">>> add(1,\n...     2)\n3"
     assert first_example("No example here.") is None
+
+
+def test_a_chat_model_is_served_with_its_template_its_markers_and_its_end_token(tmp_path):
+    tokenizer = with_chat_tokens(train_bpe(TEXT, 300, special_tokens=["<|endoftext|>"]))
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, context_length=64, d_model=32, n_heads=2, n_layers=1,
+                          dropout=0.0))
+    export_for_serving(model, tokenizer, tmp_path / "chat", chat_template=CHAT_TEMPLATE, eos_token=END)
+    served = load_for_serving(tmp_path / "chat")
+    assert served.eos_id == marker_ids(tokenizer)[END]
+    question = f"Can I end {END} my turn {ASSISTANT} here?"
+    assert served.chat_ids([{"role": "user", "content": question}]) == prompt_ids(tokenizer, question)
+    export_for_serving(model, tokenizer, tmp_path / "plain")  # the plain template writes no special token
+    plain = load_for_serving(tmp_path / "plain")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}]
+    assert plain.chat_ids(messages) == plain.encode(plain.render_chat(messages))
+    assert plain.eos_id == tokenizer.special_tokens["<|endoftext|>"]
+    with pytest.raises(ValueError, match=re.escape("eos_token '<|nothing|>' is not one of the tokenizer's special")):
+        export_for_serving(model, tokenizer, tmp_path / "bad", eos_token="<|nothing|>")

@@ -391,11 +391,11 @@ def create_app(served: ServedModel, loop: EngineLoop, *, api_key: str | None = N
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
         try:
-            text = served.render_chat([m.model_dump() for m in body.messages])
+            prompt = served.chat_ids([m.model_dump() for m in body.messages])
         except ValueError as err:
             raise APIError(400, str(err), "messages") from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await respond(request, body, served.encode(text), "messages", limit, chat=True)
+        return await respond(request, body, prompt, "messages", limit, chat=True)
 
     @app.get("/v1/models")
     async def models():

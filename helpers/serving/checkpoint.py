@@ -3,13 +3,17 @@ tokenizer's files), so the same folder runs in the course's server and in `trans
 
 A chat request is turned into one prompt by the folder's chat template (Jinja, as `transformers` renders it). A base
 model has no chat format of its own; it gets `PLAIN_CHAT_TEMPLATE`, which writes each message as "Role: text" on
-its own paragraph and ends with "Assistant:", so the model continues as the assistant.
+its own paragraph and ends with "Assistant:", so the model continues as the assistant. A model tuned to chat
+(`helpers.text.chat`) brings its template and its special tokens: what the template writes around the messages is
+encoded with those tokens, what the messages say as ordinary text, so no message can open or close a turn; and its
+end-of-turn token, the folder's `eos_token`, ends a reply.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +40,9 @@ PLAIN_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] | capita
 
 
 def export_for_serving(model: GPT, tokenizer: Tokenizer, directory: str | os.PathLike, *,
-                       chat_template: str = PLAIN_CHAT_TEMPLATE) -> Path:
-    """Write `model` (GPT-2 or Llama layout, whichever its config is) and `tokenizer` into `directory`."""
+                       chat_template: str = PLAIN_CHAT_TEMPLATE, eos_token: str | None = None) -> Path:
+    """Write `model` (GPT-2 or Llama layout, whichever its config is) and `tokenizer` into `directory`; eos_token:
+    the special token that ends a reply (default: the end-of-text token, when the tokenizer has one)."""
     if vocab_size(tokenizer) != model.config.vocab_size:
         raise ValueError(f"the tokenizer has {vocab_size(tokenizer)} tokens but the model's vocab_size is "
                          f"{model.config.vocab_size}; export the tokenizer the model was trained with")
@@ -45,7 +50,7 @@ def export_for_serving(model: GPT, tokenizer: Tokenizer, directory: str | os.Pat
     directory.mkdir(parents=True, exist_ok=True)
     (save_hf_gpt2 if model.config.is_gpt2 else save_hf_llama)(model, directory)
     save_tokenizer_files(tokenizer, directory, chat_template=chat_template,
-                         model_max_length=model.config.context_length)
+                         model_max_length=model.config.context_length, eos_token=eos_token)
     return directory
 
 
@@ -76,6 +81,31 @@ class ServedModel:
         """Token ids of a client's text: special tokens' names are plain text there, never control tokens."""
         return self.tokenizer.encode_ordinary(text)
 
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt of a chat as token ids: the rendered text as ordinary text, except the special tokens the
+        template itself writes (found by rendering it with a marker in place of each message's content), which
+        become their ids. A template with none gives `encode(render_chat(messages))`."""
+        markers = [f"\x00{i}\x00" for i in range(len(messages))]
+        pieces = re.split("\x00(\\d+)\x00", self.render_chat(
+            [{**m, "content": marker} for m, marker in zip(messages, markers, strict=True)]))
+        if sorted(int(i) for i in pieces[1::2]) != list(range(len(messages))):
+            raise ValueError("the chat template changes or drops the messages' text, so a message's special-token "
+                             "names cannot be kept as plain text; use a template that writes each content as it is")
+        specials = special_tokens(self.tokenizer)
+        written = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
+        ids: list[int] = []
+        pending = ""  # ordinary text not encoded yet: BPE sees a template's text and a message's as one string
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                pending += messages[int(piece)]["content"]
+                continue
+            start = 0
+            for found in (written.finditer(piece) if written else ()):
+                ids += self.encode(pending + piece[start:found.start()]) + [specials[found.group()]]
+                pending, start = "", found.end()
+            pending += piece[start:]
+        return ids + self.encode(pending)
+
 
 def load_for_serving(directory: str | os.PathLike, *, name: str | None = None, device: str | torch.device = "cpu",
                      dtype: torch.dtype | None = None) -> ServedModel:
@@ -92,6 +122,7 @@ def load_for_serving(directory: str | os.PathLike, *, name: str | None = None, d
     if vocab_size(tokenizer) != model.config.vocab_size:
         raise WeightsError(f"{directory}: the tokenizer has {vocab_size(tokenizer)} tokens but the model's vocab_size "
                            f"is {model.config.vocab_size}; the folder holds a tokenizer of another model")
-    template = tokenizer_config(directory).get("chat_template") or PLAIN_CHAT_TEMPLATE
+    settings = tokenizer_config(directory)
+    template = settings.get("chat_template") or PLAIN_CHAT_TEMPLATE
     return ServedModel(model, tokenizer, name or directory.resolve().name, template,
-                       special_tokens(tokenizer).get(ENDOFTEXT))
+                       special_tokens(tokenizer).get(settings.get("eos_token") or ENDOFTEXT))

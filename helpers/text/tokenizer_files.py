@@ -50,9 +50,9 @@ def is_gpt2(tokenizer: Tokenizer) -> bool:
 
 
 def save_tokenizer_files(tokenizer: Tokenizer, directory: str | os.PathLike, *, chat_template: str | None = None,
-                         model_max_length: int | None = None) -> Path:
-    """Write the three files into `directory` (created if needed), each replaced atomically. The end-of-text token,
-    when the tokenizer has one, is the files' `eos_token`."""
+                         model_max_length: int | None = None, eos_token: str | None = None) -> Path:
+    """Write the three files into `directory` (created if needed), each replaced atomically. `eos_token` (default:
+    the end-of-text token, when the tokenizer has one) is the files' `eos_token`: what ends a reply."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if is_gpt2(tokenizer):
@@ -67,9 +67,13 @@ def save_tokenizer_files(tokenizer: Tokenizer, directory: str | os.PathLike, *, 
     else:
         raise TypeError(f"cannot save a {type(tokenizer).__name__}: only a course BPETokenizer or GPT-2's tiktoken "
                         "encoding (helpers.text.tokenizer.get_tokenizer) are saved as files")
-    eos = ENDOFTEXT if ENDOFTEXT in special_tokens(tokenizer) else None
+    if eos_token is not None and eos_token not in special_tokens(tokenizer):
+        raise ValueError(f"eos_token {eos_token!r} is not one of the tokenizer's special tokens "
+                         f"({', '.join(special_tokens(tokenizer)) or 'none'})")
+    eos = eos_token or (ENDOFTEXT if ENDOFTEXT in special_tokens(tokenizer) else None)
+    bos = ENDOFTEXT if ENDOFTEXT in special_tokens(tokenizer) else eos
     config = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False, "clean_up_tokenization_spaces": False,
-              "eos_token": eos, "bos_token": eos, "unk_token": eos}
+              "eos_token": eos, "bos_token": bos, "unk_token": bos}
     if model_max_length is not None:
         config["model_max_length"] = model_max_length
     if chat_template is not None:
