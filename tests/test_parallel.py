@@ -12,6 +12,14 @@ import torch
 from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
 from helpers.parallel.comm import ring_all_reduce_bytes
+from helpers.parallel.expert_parallel import (
+    ExpertParallelMoE,
+    exchange_bytes,
+    expert_parallel_gpt,
+    experts_owned,
+    shard_of,
+    slots_between_ranks,
+)
 from helpers.parallel.launch import DistributedRunError, first_traceback, launch, run_for_result
 from helpers.parallel.pipeline import bubble_fraction, pipeline_stage, stage_layers
 from helpers.parallel.runtime import pick_device_type
@@ -343,3 +351,48 @@ def test_fsdp_counts_the_peak_of_the_training_steps_once(chapter_script, monkeyp
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: memory["allocated"])
     monkeypatch.setattr(fsdp, "peak_cuda_bytes", peak_cuda_bytes)
     assert fsdp.training_peak_bytes(train, torch.device("cuda"), None) == (180, "cuda max_memory_allocated")
+
+
+def test_experts_are_owned_in_contiguous_blocks():
+    assert [list(experts_owned(8, r, 2)) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert list(experts_owned(6, 2, 3)) == [4, 5]
+    with pytest.raises(ValueError, match="8 experts cannot be split evenly over 3 ranks"):
+        experts_owned(8, 0, 3)
+
+
+def test_expert_parallel_bytes_count_the_slots_that_leave_their_rank():
+    """3 ranks, 6 experts (rank r owns 2r and 2r + 1), each rank's tokens with their k=2 experts."""
+    routing = [torch.tensor([[0, 2], [4, 5]]), torch.tensor([[2, 3]]), torch.tensor([[0, 1], [2, 4]])]
+    assert slots_between_ranks(routing, 6).tolist() == [[1, 1, 2], [0, 2, 0], [2, 1, 1]]
+    # rank 0 sends 3 slots away and gets 2, rank 1 sends none and gets 2, rank 2 sends 3 and gets 2; forward also
+    # sends each other rank its counts for that rank's 2 experts (int64)
+    counts = 2 * 2 * 8
+    assert exchange_bytes(routing, 6, row_bytes=10) == [
+        {"forward": counts + 50, "backward": 50}, {"forward": counts + 20, "backward": 20},
+        {"forward": counts + 50, "backward": 50}]
+
+
+def test_expert_parallel_layer_keeps_its_experts_and_replicates_the_rest():
+    config = GPTConfig(vocab_size=32, context_length=8, d_model=16, n_heads=2, n_layers=1, dropout=0.0,
+                       ffn_type="moe", n_experts=4, shared_expert=True)
+    model = GPT(config)
+    split = expert_parallel_gpt(model, rank=1, world_size=2)
+    layer, full = split.blocks[0].mlp, model.blocks[0].mlp
+    assert isinstance(layer, ExpertParallelMoE) and list(layer.owned) == [2, 3]
+    assert torch.equal(layer.gate_up, full.gate_up[2:]) and torch.equal(layer.down, full.down[2:])
+    assert torch.equal(shard_of(split, "blocks.0.mlp.down", full.down), full.down[2:])
+    assert torch.equal(layer.router.weight, full.router.weight)  # replicated: each rank routes its own tokens
+    shared = "blocks.0.mlp.shared.fc.weight"
+    assert shard_of(split, shared, model.get_parameter(shared)) is model.get_parameter(shared)
+
+
+def test_expert_parallel_refuses_what_it_cannot_split():
+    dense = GPT(GPTConfig(vocab_size=32, context_length=8, d_model=16, n_heads=2, n_layers=1, dropout=0.0))
+    with pytest.raises(ValueError, match="use ffn_type='moe'"):
+        expert_parallel_gpt(dense, rank=0, world_size=2)
+    capped = GPT(GPTConfig(vocab_size=32, context_length=8, d_model=16, n_heads=2, n_layers=1, dropout=0.0,
+                           ffn_type="moe", n_experts=4, capacity_factor=1.25))
+    with pytest.raises(ValueError, match="capacity_factor=None"):
+        expert_parallel_gpt(capped, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="4 experts cannot be split evenly over 3 ranks"):
+        expert_parallel_gpt(GPT(GPTConfig(**{**capped.config.__dict__, "capacity_factor": None})), 0, 3)

@@ -1,2 +1,2 @@
 """Parallel training with torchrun: launching, process groups, communication accounting,
-tensor and pipeline parallelism."""
+tensor, pipeline and expert parallelism."""
