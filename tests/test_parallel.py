@@ -166,6 +166,44 @@ def test_gpipe_timeline_runs_all_forwards_then_backwards_in_dependency_order(pp)
     assert 0 < row["measured_bubble"] < 1 and row["analytic_bubble"] == bubble_fraction(WORLD, m)
 
 
+# ---- expert parallel ----
+
+
+@pytest.fixture(scope="module")
+def ep(torchrun):
+    return run_script(torchrun, "expert_parallel", "--batch", "4", "--shared-expert")
+
+
+def test_expert_parallel_equals_single_process(ep):
+    assert ep["dtype"] == "float64" and ep["config"]["ffn_type"] == "moe" and ep["config"]["capacity_factor"] is None
+    run = ep["expert_parallel"]
+    assert run["logits_max_diff"] < TOL64
+    assert run["grad_max_diff"] < TOL64  # every rank's own experts, and the replicated parameters averaged
+    assert run["loss_diff"] < TOL64
+
+
+def test_expert_parallel_sends_the_slots_whose_expert_lives_elsewhere(ep):
+    layers = ep["config"]["n_layers"]
+    for rank, analytic in zip(ep["expert_parallel"]["per_rank"], ep["analytic_bytes_per_rank"], strict=True):
+        assert (rank["forward_calls"], rank["backward_calls"]) == (3 * layers, 2 * layers)  # counts, rows, outputs
+        assert analytic["backward"] > 0  # the routing sent slots away, so the comparison means something
+        for phase in ("forward", "backward"):
+            assert rank[f"{phase}_bytes_sent"] == analytic[phase]
+            assert rank[f"{phase}_bytes"] > rank[f"{phase}_bytes_sent"]  # its own experts' slots stay home
+            if rank[f"{phase}_bytes_written"] is not None:
+                assert close(rank[f"{phase}_bytes_written"], analytic[phase]), (phase, rank, analytic)
+
+
+def test_expert_parallel_holds_each_expert_on_one_rank(ep):
+    config = ep["config"]
+    model = model_of(ep)
+    experts = sum(p.numel() for b in model.blocks for p in (b.mlp.gate_up, b.mlp.down))
+    per_rank = ep["expert_parallel"]["per_rank"]
+    assert [r["experts"] for r in per_rank] == [list(experts_owned(config["n_experts"], r, WORLD))
+                                                for r in range(WORLD)]
+    assert all(r["params"] == model.num_parameters() - experts + experts // WORLD for r in per_rank)
+
+
 # ---- fully sharded ----
 
 
