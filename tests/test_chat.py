@@ -4,6 +4,7 @@ targets, the Jinja template writing the same tokens, a model grown for the new t
 and the standard-library questions deterministic and split by module."""
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -12,6 +13,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
+from helpers.model.hf_files import WeightsError
 from helpers.model.lm_head import IGNORE_INDEX
 from helpers.serving.checkpoint import export_for_serving, load_for_serving
 from helpers.text.bpe import train_bpe
@@ -171,3 +173,24 @@ def test_a_chat_model_is_served_with_its_template_its_markers_and_its_end_token(
     assert plain.eos_id == tokenizer.special_tokens["<|endoftext|>"]
     with pytest.raises(ValueError, match=re.escape("eos_token '<|nothing|>' is not one of the tokenizer's special")):
         export_for_serving(model, tokenizer, tmp_path / "bad", eos_token="<|nothing|>")
+
+
+def test_the_chat_template_writes_a_system_message_as_a_user_turn(tmp_path, tokenizer):
+    template = ImmutableSandboxedEnvironment().from_string(CHAT_TEMPLATE)
+    text = template.render(messages=[{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "Hi?"}], add_generation_prompt=True)
+    assert text == f"{USER}Be brief.{END}{USER}Hi?{END}{ASSISTANT}"
+
+
+def test_a_folder_whose_eos_token_is_no_special_token_is_refused(tmp_path):
+    tokenizer = with_chat_tokens(train_bpe(TEXT, 300, special_tokens=["<|endoftext|>"]))
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, context_length=64, d_model=32, n_heads=2, n_layers=1,
+                          dropout=0.0))
+    folder = export_for_serving(model, tokenizer, tmp_path, chat_template=CHAT_TEMPLATE, eos_token=END)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings | {"eos_token": "</s>"}))
+    with pytest.raises(WeightsError, match="eos_token '</s>' is none of the tokenizer's special tokens"):
+        load_for_serving(folder)
+    with pytest.raises(TypeError, match="to serve a model with the chat markers, train it with a course BPETokenizer"):
+        export_for_serving(GPT(GPTConfig(vocab_size=50260, context_length=8, d_model=16, n_heads=2, n_layers=1)),
+                           with_chat_tokens(get_tokenizer()), tmp_path / "gpt2")

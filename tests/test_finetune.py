@@ -146,3 +146,11 @@ def test_lora_needs_less_memory_than_full_fine_tuning():
     peaks = {name: fine_tuning_cost(name, COST_CONFIG, 4, 64, prepare).peak_bytes
              for name, prepare in (("full", None), ("lora", lora(8)), ("int8", lora(8, int8=True)))}
     assert peaks["int8"] < peaks["lora"] < peaks["full"], peaks
+
+
+def test_exchange_batches_padded_otherwise_are_other_data(chat_data):
+    tokenizer, train, _, _, _ = chat_data
+    pad = marker_ids(tokenizer)[END]
+    state = ExchangeBatches(train, 8, pad, seed=3).state_dict()
+    with pytest.raises(CheckpointError, match="tokens_sha256"):
+        ExchangeBatches(train, 8, pad, seed=3, pack_length=96).load_state_dict(state)

@@ -230,5 +230,47 @@ def test_our_moe_model_exports_to_qwen3_moe_and_back(tmp_path):
         ours.blocks[0].mlp.router_bias[1] = 0.1
     with pytest.raises(WeightsError, match="router_bias is not zero, and the qwen3_moe layout has no place for it"):
         save_hf_llama(ours, tmp_path)
-    with pytest.raises(WeightsError, match="no a shared expert|no a shared"):
+    with pytest.raises(WeightsError, match="no place for shared_expert=True; export a model with"):
         save_hf_llama(GPT(dataclasses.replace(config, shared_expert=True)), tmp_path)
+
+
+# ---- what a review found ----
+
+
+@pytest.mark.parametrize("dispatch", ["loop", "sorted", "gather"])
+def test_each_dispatch_runs_under_bf16_autocast(dispatch):
+    torch.manual_seed(0)
+    layer = MoEFeedForward(CONFIG).eval()
+    layer.dispatch = dispatch
+    x = torch.randn(2, 9, CONFIG.d_model)
+    with torch.no_grad():
+        full = layer(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = layer(x)
+    torch.testing.assert_close(low.float(), full, rtol=5e-2, atol=5e-3)
+
+
+def test_capacity_drops_slots_in_training_only():
+    layer = layer64(capacity_factor=0.5).eval()
+    x = torch.randn(3, 8, CONFIG.d_model, dtype=torch.float64)
+    alone = layer(x[2:])
+    torch.testing.assert_close(layer(x)[2:], alone, rtol=0, atol=1e-12)  # its batch-mates change nothing
+    layer.train()
+    assert not torch.allclose(layer(x)[2:], alone)  # in training the batch's capacity drops its slots, last in order
+
+
+def test_dropout_reaches_the_shared_expert_once():
+    layer = layer64(shared_expert=True, dropout=0.5).train()
+    with torch.no_grad():
+        layer.gate_up.zero_()  # the routed experts add nothing: what is left is the shared expert
+    x = torch.randn(1, 10, CONFIG.d_model, dtype=torch.float64)
+    torch.manual_seed(1)
+    out = layer(x)
+    torch.manual_seed(1)
+    layer.dropout(torch.zeros(10, CONFIG.d_model, dtype=torch.float64))  # the routed output's mask, drawn first
+    torch.testing.assert_close(out[0], layer.shared(x[0]), rtol=0, atol=0)
+
+
+def test_the_bias_update_needs_a_training_pass():
+    with pytest.raises(ValueError, match="no training forward pass has run"):
+        update_router_bias(GPT(CONFIG).eval(), 0.01)

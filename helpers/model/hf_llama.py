@@ -194,8 +194,8 @@ def load_hf_llama(path: str | os.PathLike, *, device: str | torch.device = "cpu"
     for name, buffer in list(model.named_buffers()):  # state of our own the layout has no place for: it starts at 0
         if buffer.is_meta:
             owner, _, attribute = name.rpartition(".")
-            model.get_submodule(owner).register_buffer(attribute, torch.zeros(buffer.shape, device=device,
-                                                                              dtype=dtype or torch.float32))
+            kind = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
+            setattr(model.get_submodule(owner), attribute, torch.zeros(buffer.shape, device=device, dtype=kind))
     return tie_weights(model).eval()
 
 

@@ -20,8 +20,10 @@ them), raised for experts that got fewer tokens than average and lowered for the
 (`update_router_bias`).
 
 Capacity (`GPTConfig.capacity_factor`). With a capacity factor c, an expert takes at most ⌈c · tokens · k / E⌉
-token slots of a batch, in token order; the slots beyond it are dropped (the token keeps its residual stream, and
-the dropped count is recorded). None: no limit.
+token slots of a training batch, in token order; the slots beyond it are dropped (the token keeps its residual
+stream, and the dropped count is recorded). None: no limit. In eval mode there is none either: what a token gets must
+not depend on the other tokens of its batch (a served request's on the others served with it, a cached decode step
+on the prompt before it).
 
 Dispatch (`MoEFeedForward.dispatch`). "loop": each expert gathers its tokens, runs, and adds its weighted output
 back. "sorted": the token slots are sorted by expert so that each expert's tokens are contiguous, and both matmuls
@@ -81,7 +83,8 @@ class Routing:
 
     def balance_loss(self) -> torch.Tensor:
         """Switch Transformer's auxiliary loss E · Σ_e f_e · P_e: 1 when routing is uniform, E when one expert
-        takes everything. f (the slots' shares) has no gradient; P (the mean probabilities) carries it."""
+        takes everything (k=1; at most E/k with k experts a token). f (the slots' shares) has no gradient; P (the
+        mean probabilities) carries it."""
         n_experts = self.probs.size(-1)
         share = self.load.to(self.probs.dtype) / self.experts.numel()
         return n_experts * (share * self.probs.mean(0)).sum()
@@ -173,14 +176,15 @@ class MoEFeedForward(FeedForwardPart):
         if self.dispatch not in DISPATCHES:
             raise ValueError(f"unknown dispatch {self.dispatch!r}; valid: {', '.join(DISPATCHES)}")
         flat = x.reshape(-1, x.size(-1))
-        routing = route(self.router(flat), self.k, self.order, self.router_bias, self.capacity_factor)
+        capacity = self.capacity_factor if self.training else None  # inference: a token's output is its own alone
+        routing = route(self.router(flat), self.k, self.order, self.router_bias, capacity)
         if self.training:
             self.routing = routing
         dispatch = "gather" if torch.compiler.is_compiling() else self.dispatch
-        out = getattr(self, dispatch)(flat, routing).to(x.dtype)
+        out = self.dropout(getattr(self, dispatch)(flat, routing).to(x.dtype))
         if self.shared is not None:
-            out = out + self.shared(flat)
-        return self.dropout(out).view_as(x)
+            out = out + self.shared(flat)  # (with its own dropout)
+        return out.view_as(x)
 
     @staticmethod
     def slots(r: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -196,7 +200,7 @@ class MoEFeedForward(FeedForwardPart):
             mine = expert == e
             if mine.any():
                 y = expert_mlp(flat[token[mine]], self.gate_up[e], self.down[e])
-                out = out.index_add(0, token[mine], y * weight[mine, None].to(y.dtype))
+                out = out.index_add(0, token[mine], (y * weight[mine, None].to(y.dtype)).to(out.dtype))
         return out
 
     def sorted(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -208,7 +212,7 @@ class MoEFeedForward(FeedForwardPart):
         hidden = silu_gate(*grouped_linear(flat[token], self.gate_up, ends).chunk(2, dim=-1))
         y = grouped_linear(hidden, self.down, ends)
         out = torch.zeros_like(flat, dtype=torch.promote_types(flat.dtype, weight.dtype))
-        return out.index_add(0, token, y * weight[:, None].to(y.dtype))
+        return out.index_add(0, token, (y * weight[:, None].to(y.dtype)).to(out.dtype))
 
     def gather(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Each token slot with its own expert's weights (tokens, k, ...): shapes fixed by tokens and k alone."""
@@ -249,11 +253,11 @@ class MoEFeedForward(FeedForwardPart):
 
     @classmethod
     def hf_config(cls, config: GPTConfig, layout: str) -> dict:
-        refused = [what for what, bad in (("a shared expert", config.shared_expert),
-                                          ("a capacity factor", config.capacity_factor is not None)) if bad]
+        refused = [what for what, bad in (("shared_expert=True", config.shared_expert),
+                                          ("a capacity_factor", config.capacity_factor is not None)) if bad]
         if refused:
-            raise WeightsError(f"Qwen3-MoE's layout has no {' and no '.join(refused)}; use shared_expert=False and "
-                               "capacity_factor=None")
+            raise WeightsError(f"Qwen3-MoE's layout has no place for {' or '.join(refused)}; export a model with "
+                               "shared_expert=False and capacity_factor=None")
         hidden = cls.hidden_dim(config)
         # transformers 5 calls the count num_local_experts, 4.x num_experts: both, so either reads it
         return dict(num_experts=config.n_experts, num_local_experts=config.n_experts,
@@ -273,14 +277,24 @@ class MoEFeedForward(FeedForwardPart):
                     moe_router="topk_softmax" if hf.get("norm_topk_prob") else "softmax_topk")
 
 
-def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
-    return [module for module in model.modules() if isinstance(module, MoEFeedForward)]
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's Mixture-of-Experts layers: this module's, and any that route as it does (one rank's share of
+    them under expert parallelism, `helpers.parallel.expert_parallel`): what has a router bias and a routing."""
+    return [module for module in model.modules() if hasattr(module, "router_bias") and hasattr(module, "routing")]
+
+
+def expert_load(layer: nn.Module) -> torch.Tensor:
+    """Token slots each expert was chosen for in the layer's last training pass (summed over the ranks where the
+    layer says how: `global_load`)."""
+    if layer.routing is None:
+        raise ValueError("no training forward pass has run through this MoE layer: balance after a training step")
+    return layer.global_load() if hasattr(layer, "global_load") else layer.routing.load
 
 
 @torch.no_grad()
 def update_router_bias(model: nn.Module, rate: float) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing, after an optimizer step: each MoE layer raises the bias of the
-    experts that got fewer token slots than the mean in its last forward pass by `rate`, and lowers the others'."""
+    experts that got fewer token slots than the mean in its last training pass by `rate`, and lowers the others'."""
     for layer in moe_layers(model):
-        load = layer.routing.load.to(layer.router_bias.dtype)
+        load = expert_load(layer).to(layer.router_bias.dtype)
         layer.router_bias += rate * torch.sign(load.mean() - load)

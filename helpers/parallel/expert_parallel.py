@@ -154,10 +154,18 @@ class ExpertParallelMoE(nn.Module):
         rows = _ExchangeRows.apply(flat[token], send, receive, self.logs)
         outputs = _ExchangeRows.apply(self.run_experts(rows, received), receive, send, self.logs)
         out = torch.zeros_like(flat, dtype=torch.promote_types(flat.dtype, weight.dtype))
-        out = out.index_add(0, token, outputs * weight[:, None].to(outputs.dtype)).to(x.dtype)
+        out = self.dropout(out.index_add(0, token, (outputs * weight[:, None].to(outputs.dtype)).to(out.dtype))
+                           .to(x.dtype))
         if self.shared is not None:
-            out = out + self.shared(flat)
-        return self.dropout(out).view_as(x)
+            out = out + self.shared(flat)  # (with its own dropout)
+        return out.view_as(x)
+
+    def global_load(self) -> torch.Tensor:
+        """Token slots each expert got in the last training pass, over every rank's tokens: the load the replicated
+        balancing bias must follow (each rank's own would move the replicas apart)."""
+        load = self.routing.load.clone()
+        dist.all_reduce(load)
+        return load
 
     def exchange_counts(self, per_expert: torch.Tensor) -> torch.Tensor:
         """Every rank's slot count for each of this rank's experts, (world, local experts), from this rank's counts

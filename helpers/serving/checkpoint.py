@@ -124,5 +124,12 @@ def load_for_serving(directory: str | os.PathLike, *, name: str | None = None, d
                            f"is {model.config.vocab_size}; the folder holds a tokenizer of another model")
     settings = tokenizer_config(directory)
     template = settings.get("chat_template") or PLAIN_CHAT_TEMPLATE
+    eos = settings.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos  # (older transformers write an AddedToken's fields)
+    specials = special_tokens(tokenizer)
+    if eos is not None and eos not in specials:
+        raise WeightsError(f"{directory}: tokenizer_config.json's eos_token {eos!r} is none of the tokenizer's special "
+                           f"tokens ({', '.join(specials) or 'none'}), so a reply would never end; export the model "
+                           "with export_for_serving(..., eos_token=...)")
     return ServedModel(model, tokenizer, name or directory.resolve().name, template,
-                       special_tokens(tokenizer).get(settings.get("eos_token") or ENDOFTEXT))
+                       specials.get(eos or ENDOFTEXT))

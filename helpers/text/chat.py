@@ -24,8 +24,8 @@ from .tokenizer_files import Tokenizer, special_tokens, vocab_size
 
 USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|end|>"
 CHAT_TOKENS = (USER, ASSISTANT, END)
-CHAT_TEMPLATE = ("{% for message in messages %}"
-                 "{% if message['role'] == 'user' %}<|user|>{{ message['content'] }}<|end|>"
+CHAT_TEMPLATE = ("{% for message in messages %}"  # a system message is written as a user turn: the format has two
+                 "{% if message['role'] in ('system', 'user') %}<|user|>{{ message['content'] }}<|end|>"
                  "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}<|end|>{% endif %}"
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 

@@ -64,6 +64,10 @@ def save_tokenizer_files(tokenizer: Tokenizer, directory: str | os.PathLike, *, 
         vocab = {text: token for token, text in enumerate(spelled)} | tokenizer.special_tokens
         vocab_text = json.dumps(vocab, ensure_ascii=False)
         merges_text = "#version: 0.2\n" + "".join(f"{spelled[a]} {spelled[b]}\n" for a, b in tokenizer.merges)
+    elif isinstance(tokenizer, tiktoken.Encoding):
+        raise TypeError(f"cannot save the tiktoken encoding {tokenizer.name!r}: of tiktoken's, only GPT-2's own "
+                        "(helpers.text.tokenizer.get_tokenizer, no tokens added) is saved as files; to serve a model "
+                        "with the chat markers, train it with a course BPETokenizer (helpers.text.bpe.train_bpe)")
     else:
         raise TypeError(f"cannot save a {type(tokenizer).__name__}: only a course BPETokenizer or GPT-2's tiktoken "
                         "encoding (helpers.text.tokenizer.get_tokenizer) are saved as files")

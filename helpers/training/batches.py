@@ -97,7 +97,7 @@ class ExchangeBatches(SeededEpochs):
 
     def __init__(self, examples: Sequence[ChatExample], batch_size: int, pad_id: int, seed: int = 0,
                  pack_length: int | None = None) -> None:
-        digest = hashlib.sha256()
+        digest = hashlib.sha256(repr((pad_id, pack_length)).encode())  # the same examples batched otherwise differ
         for example in examples:
             digest.update(torch.tensor([example.answer_start, *example.ids]).numpy().tobytes())
         collate = ((lambda chosen: padded_batch(chosen, pad_id)) if pack_length is None

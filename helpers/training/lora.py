@@ -113,8 +113,8 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every LoRA update into its layer (a plain Linear again) and make the model's parameters trainable as
-    before `add_lora`. In place; returns the model."""
+    """Fold every LoRA update into its layer (a plain Linear again) and make every parameter of the model trainable,
+    as a plain GPT trains. In place; returns the model."""
     for name, layer in lora_layers(model).items():
         parent, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent), attribute, layer.merged())
