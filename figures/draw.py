@@ -25,7 +25,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Polygon, Rectangle  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -917,6 +917,391 @@ def gqa_heads():
     return fig
 
 
+def _caption(ax, y, text, x=10.5):
+    """A centred note of one or two lines under a diagram, at the size its labels use."""
+    ax.text(x, y, text, ha="center", va="center", fontsize=8)
+
+
+def _cell_row(ax, x, y, labels, colors, w=0.9, h=0.7, fontsize=8, text_color="black"):
+    """A row of square-cornered cells, one label and one colour each, left to right from (x, y)."""
+    for i, (label, color) in enumerate(zip(labels, colors, strict=True)):
+        ax.add_patch(Rectangle((x + i * w, y), w, h, facecolor=color, edgecolor="black", lw=0.8))
+        ax.text(x + (i + 0.5) * w, y + h / 2, label, ha="center", va="center", fontsize=fontsize, color=text_color)
+
+
+def online_softmax():
+    """The notebook's ten scores in chunks of 3: a running max m and a running sum ℓ, rescaled when m grows."""
+    x = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0, 5.0, 3.0]
+    fig, ax = _canvas(10.5, 3.6, (0, 21), (0, 7.2))
+    ax.text(0.2, 6.6, "scores x, walked in chunks of 3: one pass, keeping only m and ℓ", fontsize=9, va="center")
+    m, ell = -math.inf, 0.0
+    for c, start in enumerate(range(0, len(x), 3)):
+        chunk = x[start:start + 3]
+        x0 = 0.4 + c * 5.2
+        _cell_row(ax, x0, 5.0, [f"{v:g}" for v in chunk], ["#CFE0F3"] * len(chunk), w=1.0, h=0.8, fontsize=9)
+        m_new = max(m, max(chunk))
+        rescale = "" if m == -math.inf else (f"ℓ·e^({m:g}−{m_new:g}) + " if m_new > m else "ℓ·1 + ")
+        ell = ell * math.exp(m - m_new) + sum(math.exp(v - m_new) for v in chunk)
+        grew = m_new > m
+        _box(ax, x0 - 0.2, 1.9, 4.6, 2.4, "", color="#F6D9C4" if grew else "#EEEEEE", fontsize=8)
+        ax.text(x0 + 2.1, 3.8, f"m = {m_new:g}" + ("  (grew)" if grew and c else ""), ha="center", fontsize=9)
+        ax.text(x0 + 2.1, 3.0, f"ℓ = {rescale}Σ e^(x − {m_new:g})", ha="center", fontsize=8)
+        ax.text(x0 + 2.1, 2.3, f"= {ell:.5f}", ha="center", fontsize=8)
+        _arrow(ax, (x0 + 0.5 * len(chunk), 4.95), (x0 + 0.5 * len(chunk), 4.35))
+        if c:
+            _arrow(ax, (x0 - 0.75, 3.1), (x0 - 0.25, 3.1), color=PURPLE)
+        m = m_new
+    _caption(ax, 0.9, f"then softmax(x)ᵢ = e^(xᵢ − {m:g}) / ℓ: the same as the two-pass formula. When a chunk "
+             "raises the max, the\nold sum was taken against the old max, so it is multiplied by e^(m − m′) "
+             "before the new terms are added.")
+    return fig
+
+
+def flash_attention_tiles():
+    """Causal tiled attention: query block i walks key blocks 0..i; one tile of scores at a time, in fast memory."""
+    fig, ax = _canvas(10.5, 4.8, (0, 21), (0, 9.6))
+    n, t = 4, 1.5  # 4 query blocks x 4 key blocks, each tile t wide
+    gx, gy = 2.6, 1.2  # the score grid's lower-left corner
+    for j in range(n):
+        _box(ax, gx + j * t + 0.1, gy + n * t + 0.25, t - 0.2, 0.7, f"K{j}, V{j}", color="#D5ECD9", fontsize=8)
+    ax.text(gx + n * t / 2, gy + n * t + 1.3, "key blocks (block_k keys each)", ha="center", fontsize=8)
+    for i in range(n):
+        y = gy + (n - 1 - i) * t
+        _box(ax, gx - 1.2, y + 0.1, 0.9, t - 0.2, f"Q{i}", color="#CFE0F3", fontsize=8)
+        for j in range(n):
+            skipped, current = j > i, (i, j) == (2, 1)
+            color = "#F3F3F3" if skipped else (ORANGE if current else "#FBE9DC")
+            ax.add_patch(Rectangle((gx + j * t, y), t, t, facecolor=color, edgecolor="black", lw=0.8))
+            if j == i:  # the diagonal tile: its keys after each query are masked inside it
+                ax.add_patch(Polygon([(gx + j * t, y + t), (gx + (j + 1) * t, y + t), (gx + (j + 1) * t, y)],
+                                     facecolor="#F3F3F3", edgecolor="black", lw=0.8))
+            label = "skipped" if skipped else ("in SRAM\nnow" if current else f"S{i}{j}")
+            at = (gx + (j + 0.3) * t, y + 0.3 * t) if j == i else (gx + (j + 0.5) * t, y + t / 2)
+            ax.text(*at, label, ha="center", va="center", fontsize=8,
+                    color="#999999" if skipped else "black")
+    ax.text(gx - 0.75, gy + n * t + 0.6, "query\nblocks", ha="center", fontsize=8)
+    y2 = gy + t  # query block 2's row: the walk over its key blocks
+    _arrow(ax, (gx + 0.2, y2 + 0.2), (gx + 2.8 * t, y2 + 0.2), color=PURPLE)
+    ax.text(gx + n * t / 2, gy - 0.5, "diagonal tiles: masked inside (grey half); tiles above them: never computed",
+            ha="center", fontsize=8)
+    x1 = 10.4
+    _box(ax, x1, 5.2, 10.2, 2.6, "", color="#FBE9DC")
+    ax.text(x1 + 5.1, 7.4, "for query block i (here i = 2), for key blocks j = 0 … i:", ha="center", fontsize=9)
+    ax.text(x1 + 0.3, 6.0, "S = Qᵢ Kⱼᵀ / √d                        (block_q × block_k: the only scores)\n"
+            "m′ = max(m, row max S),  P = e^(S − m′)\n"
+            "ℓ = ℓ·e^(m − m′) + row sum P,   o = o·e^(m − m′) + P Vⱼ", fontsize=8, va="center")
+    _box(ax, x1, 2.9, 10.2, 1.6, "after the last key block: Oᵢ = o / ℓ, written to HBM once", color="#CFE0F3",
+         fontsize=9)
+    _arrow(ax, (x1 + 5.1, 5.15), (x1 + 5.1, 4.55))
+    ax.text(x1 + 5.1, 1.6, "m, ℓ (one per row) and o (block_q × d) stay in fast memory.\n"
+            "Kⱼ, Vⱼ are read once per query block; no T × T array is ever written.", ha="center", va="center",
+            fontsize=8)
+    return fig
+
+
+def int8_per_channel():
+    """Symmetric int8 with one scale per tensor or one per output channel (row): the step each row gets."""
+    import numpy as np
+
+    w = np.array([[0.12, -0.05, 0.31, -0.22, 0.08], [2.40, -0.30, 0.45, 0.10, -0.60],
+                  [-0.04, 0.02, -0.01, 0.03, 0.05], [0.50, -0.75, 0.20, 0.66, -0.18]])
+    fig, ax = _canvas(10.5, 4.0, (0, 21), (0, 8.0))
+    rows, cols = w.shape
+    cw, ch = 0.9, 0.75
+
+    def matrix(x0, values, fmt, title, highlight=None):
+        ax.text(x0 + cols * cw / 2, 6.4, title, ha="center", va="center", fontsize=9)
+        for r in range(rows):
+            colors = [("#F6D9C4" if highlight is not None and highlight[r] else "#EEEEEE")] * cols
+            _cell_row(ax, x0, 5.6 - (r + 1) * ch, [fmt(v) for v in values[r]], colors, w=cw, h=ch, fontsize=8)
+
+    matrix(0.2, w, lambda v: f"{v:g}", "weights W (out × in)")
+    s_tensor = np.abs(w).max() / 127
+    q_tensor = np.clip(np.round(w / s_tensor), -127, 127).astype(int)
+    s_rows = np.abs(w).max(axis=1) / 127
+    q_rows = np.clip(np.round(w / s_rows[:, None]), -127, 127).astype(int)
+    coarse = np.abs(q_tensor).max(axis=1) < 32
+    matrix(5.5, q_tensor, str, f"q, per tensor:\none s = {np.abs(w).max():g} / 127", highlight=coarse)
+    matrix(10.9, q_rows, str, "q, per output channel:\nsᵢ = max |row i| / 127")
+    ax.text(16.3, 6.4, "sᵢ", ha="center", va="center", fontsize=9)
+    for r in range(rows):
+        ax.text(16.3, 5.6 - (r + 0.5) * ch, f"{s_rows[r]:.5f}", ha="center", va="center", fontsize=8)
+    _arrow(ax, (4.75, 4.1), (5.4, 4.1))
+    _arrow(ax, (10.15, 4.1), (10.8, 4.1))
+    ax.text(17.4, 4.1, "q = round(w / s),\nclamped to ±127;\nw ≈ s·q, off by\nat most s/2", fontsize=8, va="center")
+    _caption(ax, 1.2, "One large weight (2.4) sets the per-tensor step for every row: the shaded rows use only a few "
+             "of the 255 levels.\nPer-channel scales give each row a step for its own range: every row reaches ±127.")
+    return fig
+
+
+def _continuous_schedule(requests, slots):
+    """Each request's (slot, first iteration, last iteration) when a finished request's slot is refilled next
+    iteration; a request runs 1 prefill iteration and max_tokens - 1 decode iterations."""
+    waiting, free_at, placed = list(requests), [0] * slots, {}
+    while waiting:
+        slot = min(range(slots), key=lambda s: free_at[s])
+        name, _, out = waiting.pop(0)
+        placed[name] = (slot, free_at[slot], free_at[slot] + out - 1)
+        free_at[slot] += out
+    return placed
+
+
+def static_continuous_batching():
+    """Notebook 6.3's six requests on 3 slots: static batches wait for their longest row, continuous refills."""
+    requests = [("r0", 6, 3), ("r1", 4, 8), ("r2", 9, 2), ("r3", 3, 5), ("r4", 5, 2), ("r5", 7, 4)]  # prompt, out
+    fig, axes = plt.subplots(2, 1, figsize=(10.5, 4.6), dpi=DPI)
+    static = {}
+    for b in range(0, len(requests), 3):
+        batch = requests[b:b + 3]
+        start = max((v[2] for v in static.values()), default=-1) + 1
+        longest = max(out for _, _, out in batch)
+        for slot, (name, _, out) in enumerate(batch):
+            static[name] = (slot, start, start + out - 1, start + longest - 1)
+    continuous = {k: (*v, v[2]) for k, v in _continuous_schedule(requests, 3).items()}
+    for ax, (title, plan) in zip(axes, (("static batching", static), ("continuous batching", continuous)),
+                                 strict=True):
+        span = max(v[3] for v in plan.values()) + 1
+        for name, (slot, first, last, held) in plan.items():
+            for it in range(first, held + 1):
+                kind = "P" if it == first else ("d" if it <= last else "pad")
+                color = BLUE if kind == "P" else (GREEN if kind == "d" else "#F4C7C8")
+                ax.add_patch(Rectangle((it, 2 - slot), 1, 1, facecolor=color, edgecolor="white", lw=1.5))
+                ax.text(it + 0.5, 2.5 - slot, f"{name}\n{kind}" if it == first else kind, ha="center",
+                        va="center", fontsize=7 if it == first else 8, color="white" if kind != "pad" else RED)
+        ax.set_xlim(0, 13)
+        ax.set_ylim(0, 3)
+        ax.set_yticks([2.5, 1.5, 0.5], ["slot 0", "slot 1", "slot 2"], fontsize=8)
+        ax.set_xticks([i + 0.5 for i in range(13)], [str(i) for i in range(13)], fontsize=8)
+        ax.tick_params(length=0)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+        ax.set_title(f"{title}: {span} iterations", fontsize=10, loc="left")
+    axes[1].set_xlabel("iteration (P = prefill of the prompt, d = one decode step, pad = a finished row computed as "
+                       "padding)", fontsize=8)
+    fig.suptitle("Six requests (prompt, new tokens): r0 (6, 3), r1 (4, 8), r2 (9, 2), r3 (3, 5), r4 (5, 2), "
+                 "r5 (7, 4); 3 batch slots", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def speculative_verify():
+    """One greedy round, k = 4: the draft proposes, one target pass scores k + 1 prefixes, the matching run is kept."""
+    context = ["for", " i", " in"]
+    drafted = [" range", "(", "n", ")"]
+    chosen = [" range", "(", "len", "(", ":"]
+    fig, ax = _canvas(10.5, 4.4, (0, 21), (0, 8.8))
+    w = 2.0
+    ax.text(0.2, 8.2, "1. the draft proposes k = 4 tokens, one (cheap) pass each", fontsize=9)
+    _cell_row(ax, 0.4, 6.9, context, ["#EEEEEE"] * 3, w=w, h=0.8, fontsize=9)
+    _cell_row(ax, 0.4 + 3 * w, 6.9, [repr(t) for t in drafted], [ORANGE] * 4, w=w, h=0.8, fontsize=9)
+    ax.text(0.2, 5.9, "2. the target runs once over the last accepted token and the k proposals: its own choice "
+            "after each of the k + 1 prefixes", fontsize=9)
+    _box(ax, 0.4 + 2 * w, 4.75, 5 * w, 0.6, "one target forward pass", color="#CFE0F3", fontsize=8)
+    for j in range(5):
+        _arrow(ax, (0.4 + (2.5 + j) * w, 6.85), (0.4 + (2.5 + j) * w, 5.4), color=GREY)
+        _arrow(ax, (0.4 + (2.5 + j) * w, 4.7), (0.4 + (3.5 + j) * w - 0.3, 3.75), color=GREY)
+    ok = [d == c for d, c in zip(drafted, chosen, strict=False)]
+    kept = ok.index(False) if False in ok else len(drafted)
+    colors = [GREEN if j < kept else (BLUE if j == kept else "#F3F3F3") for j in range(5)]
+    _cell_row(ax, 0.4 + 3 * w, 2.9, [repr(t) for t in chosen], colors, w=w, h=0.8, fontsize=9)
+    ax.text(0.4 + 3 * w - 0.2, 3.3, "target's choice", ha="right", va="center", fontsize=8)
+    for j in range(4):
+        ax.text(0.4 + (3.5 + j) * w, 2.6, "= draft ✓" if ok[j] else ("≠ draft ✗" if j == kept else "not used"),
+                ha="center", va="top", fontsize=8, color=GREEN if ok[j] else (RED if j == kept else "#999999"))
+    ax.text(0.4 + 7.5 * w, 2.6, "used if all\n4 match", ha="center", va="top", fontsize=8, color="#999999")
+    ax.text(0.2, 1.2, f"3. keep the {kept} proposals before the first mismatch, then the target's own token there: "
+            f"{kept + 1} tokens for one target pass\n    (between 1 and k + 1). The text is the target's own greedy "
+            "output, token for token; the draft only changes the speed.", fontsize=9, va="center")
+    return fig
+
+
+def prefix_tree():
+    """Chain digests make the cached blocks a tree: a request follows its prompt's blocks from the root."""
+    fig, ax = _canvas(10.5, 4.4, (0, 21), (0, 8.8))
+    bw, bh = 3.3, 1.1
+    node = {}
+
+    def block(key, x, y, tokens, color, owners):
+        _box(ax, x, y, bw, bh, "", color=color)
+        ax.text(x + bw / 2, y + bh * 0.68, tokens, ha="center", va="center", fontsize=8)
+        ax.text(x + bw / 2, y + bh * 0.25, f"d{key} · held by {owners}", ha="center", va="center", fontsize=7,
+                color="#444444")
+        node[key] = (x, y)
+
+    _box(ax, 0.2, 3.9, 1.4, 1.1, "root", color="#EEEEEE", fontsize=9)
+    block("1", 2.3, 5.8, "You are a helpful", "#D5ECD9", "A, B")
+    block("2", 6.3, 5.8, "assistant. Answer in", "#D5ECD9", "A, B")
+    block("3a", 10.3, 7.2, "one line. What is", "#CFE0F3", "A")
+    block("4a", 14.3, 7.2, "a list comprehension", "#CFE0F3", "A")
+    block("3b", 10.3, 4.4, "one line. How do", "#F6D9C4", "B")
+    block("4b", 14.3, 4.4, "I sort a dict", "#F6D9C4", "B")
+    block("1c", 2.3, 2.0, "Translate to French:", "#EEEEEE", "C")
+    block("2c", 6.3, 2.0, "the cat sat on", "#EEEEEE", "C")
+    for a, b in (("1", "2"), ("2", "3a"), ("3a", "4a"), ("2", "3b"), ("3b", "4b"), ("1c", "2c")):
+        (xa, ya), (xb, yb) = node[a], node[b]
+        _arrow(ax, (xa + bw, ya + bh / 2), (xb, yb + bh / 2), color="#555555")
+    for key in ("1", "1c"):
+        _arrow(ax, (1.6, 4.45), (node[key][0], node[key][1] + bh / 2), color="#555555")
+    _caption(ax, 0.9, "dᵢ = sha256(dᵢ₋₁ + the tokens of block i): a block's name covers every token up to its end "
+             "(blocks of 4 tokens here).\nA and B share the system prompt's full blocks; the block where B's question "
+             "begins differs, and so does every digest after it.")
+    ax.text(18.0, 2.6, "a new prompt hashes its blocks\nand follows them from the root;\nthe first miss ends "
+            "the\nshared part", ha="center", va="center", fontsize=8)
+    return fig
+
+
+def ring_all_reduce():
+    """Three ranks, three chunks each: p-1 reduce-scatter steps, then p-1 all-gather steps around the ring."""
+    p = 3
+    names = "abc"
+    held = [[{r} for _ in range(p)] for r in range(p)]  # held[rank][chunk]: whose values it has summed
+    states = [("start: rank r holds\nits own gradient", [[set(c) for c in row] for row in held], set())]
+    for phase in ("reduce-scatter", "all-gather"):
+        for step in range(p - 1):
+            sends = []
+            for r in range(p):
+                idx = (r - step) % p if phase == "reduce-scatter" else (r + 1 - step) % p
+                sends.append(((r + 1) % p, idx, set(held[r][idx])))
+            for dest, idx, payload in sends:
+                held[dest][idx] = held[dest][idx] | payload if phase == "reduce-scatter" else payload
+            states.append((f"{phase}\nstep {step + 1}", [[set(c) for c in row] for row in held],
+                           {(dest, idx) for dest, idx, _ in sends}))
+    fig, ax = _canvas(10.5, 3.5, (0, 21), (0, 7.0))
+    cw, ch = 1.15, 0.85
+    shade = {1: "#EEEEEE", 2: "#F6D9C4", 3: GREEN}
+    for s, (title, grid, changed) in enumerate(states):
+        x0 = 1.5 + s * 3.95
+        ax.text(x0 + p * cw / 2, 5.6, title, ha="center", va="center", fontsize=8)
+        for r in range(p):
+            labels = ["Σ" + str(c) if len(grid[r][c]) == p else "+".join(f"{names[q]}{c}" for q in sorted(grid[r][c]))
+                      for c in range(p)]
+            colors = [shade[len(grid[r][c])] for c in range(p)]
+            y = 3.9 - r * ch
+            _cell_row(ax, x0, y, labels, colors, w=cw, h=ch, fontsize=8,
+                      text_color="black")
+            for c in range(p):
+                if (r, c) in changed:
+                    ax.add_patch(Rectangle((x0 + c * cw, y), cw, ch, fill=False, edgecolor=RED, lw=2.0))
+        if s == 0:
+            for r in range(p):
+                ax.text(x0 - 0.2, 3.9 - r * ch + ch / 2, f"rank {r}", ha="right", va="center", fontsize=8)
+        if s:
+            _arrow(ax, (x0 - 0.6, 3.5), (x0 - 0.15, 3.5))
+    _caption(ax, 0.8, "Chunk j of the gradient: aj, bj, cj on ranks 0, 1, 2; Σj = aj + bj + cj, the sum over all "
+             "ranks. Each step every rank sends one chunk\nto its right neighbour (0 → 1 → 2 → 0); "
+             "red: the chunk each rank received. Reduce-scatter adds it, all-gather copies it.")
+    return fig
+
+
+def tensor_parallel_qkv():
+    """The fused QKV weight on 2 ranks: each rank takes its heads' rows of Q, of K and of V (d_model = 8)."""
+    d, ranks = 8, 2
+    fig, ax = _canvas(10.5, 4.4, (0, 21), (0, 8.8))
+    rh = 0.26  # one weight row
+    y_top = 7.6
+    shard = d // ranks
+
+    def column(x, owner, title):
+        ax.text(x + 0.9, y_top + 0.35, title, ha="center", fontsize=9)
+        for row in range(3 * d):
+            rank = owner(row)
+            ax.add_patch(Rectangle((x, y_top - (row + 1) * rh), 1.8, rh, facecolor=HEADS[rank], edgecolor="white",
+                                   lw=0.6, alpha=0.9))
+        for part, name in enumerate("QKV"):
+            y = y_top - (part + 0.5) * d * rh
+            ax.text(x - 0.2, y, name, ha="right", va="center", fontsize=9)
+            ax.plot([x - 0.1, x + 1.9], [y_top - part * d * rh] * 2, color="black", lw=1.2)
+        ax.plot([x - 0.1, x + 1.9], [y_top - 3 * d * rh] * 2, color="black", lw=1.2)
+
+    column(1.5, lambda row: row % d // shard, "shard_rows: each rank\nits heads of Q, K and V")
+    column(8.0, lambda row: row // (3 * d // ranks), "a contiguous cut\n(wrong)")
+    for r in range(ranks):
+        rows = [row for row in range(3 * d) if row % d // shard == r]
+        ax.add_patch(Rectangle((13.4, 6.3 - r * 1.7), 0.5, 0.5, facecolor=HEADS[r], edgecolor="white"))
+        runs = ", ".join(f"{rows[i]}–{rows[i + shard - 1]}" for i in range(0, len(rows), shard))
+        ax.text(14.1, 6.55 - r * 1.7, f"rank {r}: rows {runs}\n{('the first', 'the second')[r]} half of the heads: "
+                "their q, k and v",
+                va="center", fontsize=8)
+    ax.text(14.1, 3.0, "The contiguous cut gives rank 0 all\nof Q, half of K and none of V: no\nhead has its q, k "
+            "and v on one rank.\nWith shard_rows each rank computes\nwhole heads and never needs\n"
+            "another rank's q, k or v.",
+            va="center", fontsize=8)
+    ax.text(1.5 + 0.9, 0.6, "W_qkv: 3·d_model rows × d_model (d_model = 8, 2 ranks)", ha="center", fontsize=8)
+    return fig
+
+
+def pipeline_bubble():
+    """p = 4 stages, F = 1 and B = 2 time units: one batch keeps one stage busy at a time; GPipe's m = 4
+    micro-batches leave the bubble (p - 1)/(m + p - 1) of the step idle."""
+    p = 4
+    fig, axes = plt.subplots(2, 1, figsize=(10.5, 4.6), dpi=DPI, gridspec_kw={"height_ratios": [1, 1]})
+    for ax, m in zip(axes, (1, 4), strict=True):
+        forward_end = p - 1 + m  # the last stage finishes the last forward here
+        span = 3 * (m + p - 1)
+        for s in range(p):
+            y = p - 1 - s
+            ax.add_patch(Rectangle((0, y + 0.1), span, 0.8, facecolor="#F4F4F4", edgecolor="none"))
+            for i in range(m):  # forward of micro-batch i on stage s: starts at s + i
+                ax.add_patch(Rectangle((s + i, y + 0.1), 1, 0.8, facecolor=BLUE, edgecolor="white"))
+                ax.text(s + i + 0.5, y + 0.5, f"F{i}", ha="center", va="center", fontsize=8, color="white")
+            for k, i in enumerate(reversed(range(m))):  # backwards in reverse order, each 2 units
+                start = forward_end + 2 * (p - 1 - s) + 2 * k
+                ax.add_patch(Rectangle((start, y + 0.1), 2, 0.8, facecolor=ORANGE, edgecolor="white"))
+                ax.text(start + 1, y + 0.5, f"B{i}", ha="center", va="center", fontsize=8, color="white")
+        ax.set_xlim(0, 21)
+        ax.set_ylim(0, p)
+        ax.set_yticks([p - 0.5 - s for s in range(p)], [f"stage {s}" for s in range(p)], fontsize=8)
+        ax.set_xticks(range(0, 22, 3))
+        ax.tick_params(labelsize=8, length=2)
+        for spine in ("top", "right", "left"):
+            ax.spines[spine].set_visible(False)
+        idle = (p - 1) / (m + p - 1)
+        title = ("one batch (m = 1): a single stage works at a time" if m == 1
+                 else f"GPipe, m = {m} micro-batches: all forwards, then all backwards")
+        ax.set_title(f"{title}; grey = idle, (p−1)/(m+p−1) = {p - 1}/{m + p - 1} = {idle:.0%} of the step",
+                     fontsize=9, loc="left")
+    axes[1].set_xlabel("time (F = 1 unit, B = 2 units); the step takes 3(m + p − 1) units", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def fsdp_shard_gather():
+    """One FSDP unit on 2 ranks: shards at rest, all-gathered for forward and again for backward, the gradient
+    reduce-scattered so each rank keeps the summed gradient of its own shard."""
+    fig, ax = _canvas(10.5, 3.6, (0, 21), (0.4, 7.6))
+    steps = [("at rest:\nits shard", "shard", None),
+             ("forward:\nall-gather,\ncompute", "full", None),
+             ("after forward:\nfull copy freed", "shard", None),
+             ("backward:\nall-gather, full\ngradient (own data)", "full", "full"),
+             ("reduce-scatter:\nsummed gradient\nof its own shard", "shard", "shard"),
+             ("AdamW updates\nits shard, with\nits own moments", "step", "shard")]
+    for k, (title, weights, grads) in enumerate(steps):
+        x0 = 0.9 + k * 3.4
+        ax.text(x0 + 1.15, 6.8, title, ha="center", va="center", fontsize=8)
+        for r in range(2):
+            y = 3.7 - r * 2.4
+            if k == 0:
+                ax.text(x0 - 0.25, y + 0.8, f"rank {r}", ha="right", va="center", fontsize=8)
+            for half in range(2):  # the parameter's two halves along dim 0
+                own, top = half == r, y + (1 - half) * 0.8
+                if weights == "full" or own:
+                    color = GREEN if weights == "step" else BLUE
+                    ax.add_patch(Rectangle((x0, top), 1.0, 0.8, facecolor=color, alpha=1.0 if own else 0.4,
+                                           edgecolor="black", lw=0.8))
+                    ax.text(x0 + 0.5, top + 0.4, f"W{half}" + ("′" if weights == "step" else ""), ha="center",
+                            va="center", fontsize=8, color="white")
+                if grads == "full" or (grads == "shard" and own):
+                    ax.add_patch(Rectangle((x0 + 1.3, top), 1.0, 0.8, facecolor=ORANGE, edgecolor="black", lw=0.8))
+                    ax.text(x0 + 1.8, top + 0.4, f"g{half}" if grads == "full" else f"Σg{half}", ha="center",
+                            va="center", fontsize=8, color="white")
+        if k:
+            _arrow(ax, (x0 - 0.85, 3.3), (x0 - 0.25, 3.3))
+    _caption(ax, 0.75, "W0, W1: a parameter cut along its first dimension; light: the half gathered from the other "
+             "rank, freed after use.\ng: this rank's gradient (from its own part of the batch); Σg: summed over the "
+             "ranks.")
+    return fig
+
+
 FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "next_token_windows": next_token_windows,
     "training_loop": training_loop,
@@ -946,6 +1331,16 @@ FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "gpt2_and_llama_blocks": gpt2_and_llama_blocks,
     "rope_rotation": rope_rotation,
     "gqa_heads": gqa_heads,
+    "online_softmax": online_softmax,
+    "flash_attention_tiles": flash_attention_tiles,
+    "int8_per_channel": int8_per_channel,
+    "static_continuous_batching": static_continuous_batching,
+    "speculative_verify": speculative_verify,
+    "prefix_tree": prefix_tree,
+    "ring_all_reduce": ring_all_reduce,
+    "tensor_parallel_qkv": tensor_parallel_qkv,
+    "pipeline_bubble": pipeline_bubble,
+    "fsdp_shard_gather": fsdp_shard_gather,
 }
 ATTACHMENT = re.compile(r"!\[[^\]]*\]\(attachment:([\w-]+)\.png\)")
 
