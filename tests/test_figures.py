@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.manifest import DEEP_DIVES
 from helpers.notebooks import CORE_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,3 +86,12 @@ def test_the_core_path_is_short_steps_with_a_picture_for_each_idea():
     assert {name: max(cells) for name, cells in words.items() if max(cells) > 200} == {}
     assert {name: n for name, n in diagrams.items() if n < 3} == {}
     assert sum(diagrams.values()) >= 24
+
+
+def test_the_deep_dives_show_their_ideas_as_diagrams():
+    """The lesson notebooks off the core path (solutions aside) show at least ten diagrams in all: paged blocks, the
+    pipeline bubble, a ring all-reduce, FlashAttention's tiles and the like are pictures before they are code."""
+    draw = load_draw()
+    assert len(DEEP_DIVES) >= 10 and not set(DEEP_DIVES) & set(CORE_PATH)
+    shown = {name: sum(map(len, draw.shown_figures(ROOT / name).values())) for name in DEEP_DIVES}
+    assert sum(shown.values()) >= 10, shown
