@@ -922,6 +922,19 @@ def _caption(ax, y, text, x=10.5):
     ax.text(x, y, text, ha="center", va="center", fontsize=8)
 
 
+def _steps_by_rank(ax, titles, x0, dx, width, title_y, rank_ys, arrow_y):
+    """The frame of a step-by-step picture of ranks: a title over each column of width `width`, "rank r" left of
+    the first column at each of `rank_ys`, an arrow from each column to the next; returns the columns' left edges."""
+    xs = [x0 + k * dx for k in range(len(titles))]
+    for x, title in zip(xs, titles, strict=True):
+        ax.text(x + width / 2, title_y, title, ha="center", va="center", fontsize=8)
+    for r, y in enumerate(rank_ys):
+        ax.text(x0 - 0.2, y, f"rank {r}", ha="right", va="center", fontsize=8)
+    for x in xs[1:]:
+        _arrow(ax, (x - dx + width + 0.1, arrow_y), (x - 0.1, arrow_y))
+    return xs
+
+
 def _cell_row(ax, x, y, labels, colors, w=0.9, h=0.7, fontsize=8, text_color="black"):
     """A row of square-cornered cells, one label and one colour each, left to right from (x, y)."""
     for i, (label, color) in enumerate(zip(labels, colors, strict=True)):
@@ -1169,24 +1182,17 @@ def ring_all_reduce():
     fig, ax = _canvas(10.5, 3.5, (0, 21), (0, 7.0))
     cw, ch = 1.15, 0.85
     shade = {1: "#EEEEEE", 2: "#F6D9C4", 3: GREEN}
-    for s, (title, grid, changed) in enumerate(states):
-        x0 = 1.5 + s * 3.95
-        ax.text(x0 + p * cw / 2, 5.6, title, ha="center", va="center", fontsize=8)
+    xs = _steps_by_rank(ax, [title for title, _, _ in states], 1.5, 3.95, p * cw, 5.6,
+                        [3.9 - r * ch + ch / 2 for r in range(p)], 3.5)
+    for x0, (_, grid, changed) in zip(xs, states, strict=True):
         for r in range(p):
             labels = ["Σ" + str(c) if len(grid[r][c]) == p else "+".join(f"{names[q]}{c}" for q in sorted(grid[r][c]))
                       for c in range(p)]
-            colors = [shade[len(grid[r][c])] for c in range(p)]
             y = 3.9 - r * ch
-            _cell_row(ax, x0, y, labels, colors, w=cw, h=ch, fontsize=8,
-                      text_color="black")
+            _cell_row(ax, x0, y, labels, [shade[len(grid[r][c])] for c in range(p)], w=cw, h=ch, fontsize=8)
             for c in range(p):
                 if (r, c) in changed:
                     ax.add_patch(Rectangle((x0 + c * cw, y), cw, ch, fill=False, edgecolor=RED, lw=2.0))
-        if s == 0:
-            for r in range(p):
-                ax.text(x0 - 0.2, 3.9 - r * ch + ch / 2, f"rank {r}", ha="right", va="center", fontsize=8)
-        if s:
-            _arrow(ax, (x0 - 0.6, 3.5), (x0 - 0.15, 3.5))
     _caption(ax, 0.8, "Chunk j of the gradient: aj, bj, cj on ranks 0, 1, 2; Σj = aj + bj + cj, the sum over all "
              "ranks. Each step every rank sends one chunk\nto its right neighbour (0 → 1 → 2 → 0); "
              "red: the chunk each rank received. Reduce-scatter adds it, all-gather copies it.")
@@ -1275,13 +1281,10 @@ def fsdp_shard_gather():
              ("backward:\nall-gather, full\ngradient (own data)", "full", "full"),
              ("reduce-scatter:\nsummed gradient\nof its own shard", "shard", "shard"),
              ("AdamW updates\nits shard, with\nits own moments", "step", "shard")]
-    for k, (title, weights, grads) in enumerate(steps):
-        x0 = 0.9 + k * 3.4
-        ax.text(x0 + 1.15, 6.8, title, ha="center", va="center", fontsize=8)
+    xs = _steps_by_rank(ax, [title for title, _, _ in steps], 0.9, 3.4, 2.3, 6.8, [4.5, 2.1], 3.3)
+    for x0, (_, weights, grads) in zip(xs, steps, strict=True):
         for r in range(2):
             y = 3.7 - r * 2.4
-            if k == 0:
-                ax.text(x0 - 0.25, y + 0.8, f"rank {r}", ha="right", va="center", fontsize=8)
             for half in range(2):  # the parameter's two halves along dim 0
                 own, top = half == r, y + (1 - half) * 0.8
                 if weights == "full" or own:
@@ -1294,8 +1297,6 @@ def fsdp_shard_gather():
                     ax.add_patch(Rectangle((x0 + 1.3, top), 1.0, 0.8, facecolor=ORANGE, edgecolor="black", lw=0.8))
                     ax.text(x0 + 1.8, top + 0.4, f"g{half}" if grads == "full" else f"Σg{half}", ha="center",
                             va="center", fontsize=8, color="white")
-        if k:
-            _arrow(ax, (x0 - 0.85, 3.3), (x0 - 0.25, 3.3))
     _caption(ax, 0.75, "W0, W1: a parameter cut along its first dimension; light: the half gathered from the other "
              "rank, freed after use.\ng: this rank's gradient (from its own part of the batch); Σg: summed over the "
              "ranks.")
