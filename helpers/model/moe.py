@@ -29,8 +29,9 @@ Dispatch (`MoEFeedForward.dispatch`). "loop": each expert gathers its tokens, ru
 back. "sorted": the token slots are sorted by expert so that each expert's tokens are contiguous, and both matmuls
 run as one grouped matrix product over the segments (`torch._grouped_mm`, where the installed torch runs it for the
 dtype and needs no gradient; otherwise a loop over the sorted segments). "gather": each token slot gathers its
-expert's weights, so no shape depends on the routing; it reads k experts' weights per token, which suits a decode
-step of a few tokens, and it is what runs under torch.compile (the compiled decode step), which needs fixed shapes.
+expert's weights, so no shape depends on the routing; it copies k experts' weights per token, which suits a decode
+step of a few tokens only, and it is what a compiled forward of up to `GATHER_TOKENS` tokens runs (the compiled
+decode step, which needs fixed shapes); a larger compiled forward runs the chosen dispatch, with graph breaks.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from .config import GPTConfig
 
 DISPATCHES = ("loop", "sorted", "gather")
+GATHER_TOKENS = 256  # up to this many tokens a compiled forward gathers each slot's weights (a decode step)
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,9 @@ class MoEFeedForward(FeedForwardPart):
         routing = route(self.router(flat), self.k, self.order, self.router_bias, capacity)
         if self.training:
             self.routing = routing
-        dispatch = "gather" if torch.compiler.is_compiling() else self.dispatch
+        # fixed shapes for a compiled decode step (fullgraph); gathering weights per slot suits a few tokens only
+        compiled_decode = torch.compiler.is_compiling() and flat.size(0) <= GATHER_TOKENS
+        dispatch = "gather" if compiled_decode else self.dispatch
         out = self.dropout(getattr(self, dispatch)(flat, routing).to(x.dtype))
         if self.shared is not None:
             out = out + self.shared(flat)  # (with its own dropout)
