@@ -15,7 +15,7 @@ from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
 from helpers.model.hf_files import WeightsError
 from helpers.model.hf_llama import load_hf_llama, save_hf_llama
-from helpers.model.moe import MoEFeedForward, moe_layers, route, update_router_bias
+from helpers.model.moe import MoEFeedForward, active_parameters, moe_layers, route, update_router_bias
 from helpers.training.step import FULL, RouterLoss, TrainingStep
 
 CONFIG = GPTConfig(vocab_size=61, context_length=16, d_model=32, n_heads=4, n_layers=2, dropout=0.0, ffn_type="moe",
@@ -274,3 +274,11 @@ def test_dropout_reaches_the_shared_expert_once():
 def test_the_bias_update_needs_a_training_pass():
     with pytest.raises(ValueError, match="no training forward pass has run"):
         update_router_bias(GPT(CONFIG).eval(), 0.01)
+
+
+def test_active_parameters_leave_out_the_experts_a_token_does_not_run():
+    model = GPT(CONFIG)
+    idle = CONFIG.n_layers * (CONFIG.n_experts - CONFIG.experts_per_token) * 3 * CONFIG.d_model * CONFIG.ffn_hidden
+    assert active_parameters(model) == model.num_parameters() - idle
+    dense = GPT(dataclasses.replace(CONFIG, ffn_type="swiglu"))
+    assert active_parameters(dense) == dense.num_parameters()

@@ -36,7 +36,6 @@ decode step, which needs fixed shapes); a larger compiled forward runs the chose
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -122,30 +121,22 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> to
     return F.linear(silu_gate(*F.linear(x, gate_up).chunk(2, dim=-1)), down)
 
 
-@functools.cache
-def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether the installed torch runs `torch._grouped_mm` for this device and dtype (its CPU kernels came after
-    the CUDA ones, for float32 and bfloat16 only)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        torch._grouped_mm(torch.zeros(2, 8, dtype=dtype, device=device_type),
-                          torch.zeros(1, 8, 8, dtype=dtype, device=device_type),
-                          offs=torch.tensor([2], dtype=torch.int32, device=device_type))
-    except (RuntimeError, NotImplementedError, TypeError):  # no kernel here, or another signature
-        return False
-    return True
+NO_GROUPED_MM: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) where torch._grouped_mm failed to run
 
 
 def grouped_linear(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Rows x[ends[e-1]:ends[e]] times weights[e]ᵀ for every expert e, (rows, out): one grouped matrix product
-    where torch runs it, else one matmul per segment (the same numbers either way)."""
+    where torch runs it (its CPU kernels, newer than the CUDA ones, take float32 and bfloat16 rows of 16-byte
+    multiples and have no backward in torch 2.13), else one matmul per segment: the same numbers either way."""
     weights = weights.to(x.dtype)
-    grouped = (grouped_mm_runs(x.device.type, x.dtype)
-               and not (torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad))
-               and (x.size(-1) * x.element_size()) % 16 == 0 and (weights.size(1) * x.element_size()) % 16 == 0)
-    if grouped:  # (its CPU kernel has no backward in torch 2.13, and wants 16-byte rows)
-        return torch._grouped_mm(x, weights.transpose(-2, -1), offs=ends.to(torch.int32))
+    where = (x.device.type, x.dtype)
+    if (hasattr(torch, "_grouped_mm") and where not in NO_GROUPED_MM
+            and not (torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad))
+            and (x.size(-1) * x.element_size()) % 16 == 0 and (weights.size(1) * x.element_size()) % 16 == 0):
+        try:
+            return torch._grouped_mm(x, weights.transpose(-2, -1), offs=ends.to(torch.int32))
+        except (RuntimeError, NotImplementedError, TypeError):  # no kernel here (or another signature)
+            NO_GROUPED_MM.add(where)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]]).tolist()
     return torch.cat([F.linear(x[s:e], w) for s, e, w in zip(starts, ends.tolist(), weights, strict=True)])
 
@@ -302,3 +293,11 @@ def update_router_bias(model: nn.Module, rate: float) -> None:
     for layer in moe_layers(model):
         load = expert_load(layer).to(layer.router_bias.dtype)
         layer.router_bias += rate * torch.sign(load.mean() - load)
+
+
+def active_parameters(model: nn.Module) -> int:
+    """The parameters one token's forward pass uses: all of them but, in each MoE layer, the experts it does not
+    run (n_experts - k of them). What a decode step of one sequence reads, against what the model holds."""
+    idle = sum((layer.gate_up.size(0) - layer.k) * (layer.gate_up[0].numel() + layer.down[0].numel())
+               for layer in model.modules() if isinstance(layer, MoEFeedForward))
+    return sum(p.numel() for p in dict.fromkeys(model.parameters())) - idle
