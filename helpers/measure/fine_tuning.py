@@ -79,5 +79,5 @@ def fine_tuning_cost(name: str, config: GPTConfig, batch: int, seq: int, prepare
         model = GPT(config)
         state = training_state(prepare(model) if prepare is not None else model)
     plan = training_step_plan(config, batch, seq, autocast=autocast, device=device, prepare=prepare,
-                              fused_attention=fused_attention and device == "meta")
+                              fused_attention=fused_attention)
     return FineTuningCost(name, state, plan.peak_bytes)
