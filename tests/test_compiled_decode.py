@@ -1,6 +1,8 @@
 """The compiled decode step over a static KV cache, against the eager KV-cache path (`generate_with_cache`): the same
 logits in float64 at every step, the same greedy tokens, one graph for every step, and clear refusals."""
 
+import types
+
 import pytest
 import torch
 
@@ -106,6 +108,22 @@ def test_one_graph_serves_every_step():
     assert torch.equal(decoder.generate(prompts, 12), expected)
     assert torch.equal(decoder.generate(prompts, 12), expected)
     assert len(graphs) == 1
+
+
+@pytest.mark.compile
+def test_the_step_compiles_where_a_freed_builtin_left_its_address(monkeypatch):
+    """A Jupyter kernel makes `input` a new bound method for every cell and frees it after, and Dynamo keeps the ids
+    of the builtins it first saw: a bound method allocated later at that address is a builtin to it (a notebook
+    failed so). Here every bound method is one; the step still compiles and gives the eager cache's tokens."""
+    from torch._dynamo import trace_rules
+
+    is_builtin = trace_rules.is_builtin_callable
+    monkeypatch.setattr(trace_rules, "is_builtin_callable",
+                        lambda obj: isinstance(obj, types.MethodType) or is_builtin(obj))
+    torch.compiler.reset()
+    model, prompts = model_and_prompts(GPT2_STYLE)
+    decoder = CompiledDecoder(model, batch=2, max_len=30, backend="eager")
+    assert torch.equal(decoder.generate(prompts, 8), generate_with_cache(model, prompts, 8))
 
 
 @pytest.mark.compile

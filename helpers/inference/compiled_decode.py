@@ -102,10 +102,14 @@ class CompiledDecoder:
         positions = self.cache.slots[: idx.size(1)]
         return self.model(idx, cache=self.cache.at(positions), logits_at=positions[-1:])[:, -1]
 
-    @torch.no_grad()
     def decode(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence (batch, 1) at `position` (a one-element tensor); its logits (batch, vocab)."""
-        return self.model(tokens, cache=self.cache.at(position))[:, -1]
+        """One new token per sequence (batch, 1) at `position` (a one-element tensor); its logits (batch, vocab).
+
+        no_grad inside, not as a decorator: a decorated method is a torch function to Dynamo, which then compiles
+        a wrapper frame and looks the bound method up by its address among Python's builtins, where a Jupyter
+        kernel leaves the address of a method it has freed (each cell's `input` is a new bound method)."""
+        with torch.no_grad():
+            return self.model(tokens, cache=self.cache.at(position))[:, -1]
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, sampling: Sampling = GREEDY,
