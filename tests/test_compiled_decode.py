@@ -43,14 +43,14 @@ def model_and_prompts(config, dtype=torch.float64, batch=2, seq=7):
     return model, torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8-kv"])
+@pytest.mark.parametrize("kv_format", ["auto", "int8"], ids=["float", "int8-kv"])
 @pytest.mark.parametrize("config", [GPT2_STYLE, MODERN], ids=["gpt2", "rope-gqa-qknorm"])
-def test_static_cache_gives_the_kv_cache_logits_in_float64_at_every_step(config, int8):
+def test_static_cache_gives_the_kv_cache_logits_in_float64_at_every_step(config, kv_format):
     """Eager (compile=False): the static cache's prefill and each decode step against KVCache's, position by
     position, with learned positions and with RoPE + grouped-query attention, and with both caches in int8."""
     model, prompts = model_and_prompts(config)
-    decoder = CompiledDecoder(model, batch=2, max_len=20, compile=False, kv_cache_dtype="int8" if int8 else "auto")
-    reference = KVCache(config, 2, 20, torch.float64, int8=int8)
+    decoder = CompiledDecoder(model, batch=2, max_len=20, compile=False, kv_cache_dtype=kv_format)
+    reference = KVCache(config, 2, 20, torch.float64, kv_format=kv_format)
     with torch.no_grad():
         ours = decoder.prefill(prompts)
         theirs = model(prompts, cache=reference)[:, -1]

@@ -116,7 +116,7 @@ def test_the_chunked_head_is_planned_under_16_bit_autocast(low):
     (torch.float32, None, 200, True),  # int8 keys and values with their scales
 ])
 def test_an_inference_plan_on_meta_matches_the_same_pass_run_on_cpu(dtype, autocast, cache_len, int8_kv):
-    kwargs = dict(dtype=dtype, autocast=autocast, cache_len=cache_len, int8_kv=int8_kv)
+    kwargs = dict(dtype=dtype, autocast=autocast, cache_len=cache_len, kv_cache_dtype="int8" if int8_kv else "auto")
     planned, measured = inference_plan(SMALL, 4, 128, **kwargs), inference_plan(SMALL, 4, 128, device="cpu", **kwargs)
     assert planned.peak_bytes == pytest.approx(measured.peak_bytes, rel=0.02)
     weights = helpers.GPT(SMALL).num_parameters() * dtype.itemsize  # the model arrives in its dtype

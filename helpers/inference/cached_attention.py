@@ -1,8 +1,8 @@
 """What every KV cache holds inside an attention layer, whatever its layout (contiguous per sequence in
 `kv_cache.KVCache`, blocks in `paged_kv.PagedKVCache`, every slot at once in `compiled_decode.StaticKVCache`): the
-new positions' keys and values, stored in the compute dtype or in int8 with a scale per position and head
-(`kv_quant`), and, for each attention call, a `KVRead` that says which of them the queries read and how. The
-model's attention backend attends over it (`helpers.model.attention.AttentionBackend.attend`).
+new positions' keys and values, stored as a `kv_format.KVFormat` says (the compute dtype, or int8 with a scale
+per position and head), and, for each attention call, a `KVRead` that says which of them the queries read and
+how. The model's attention backend attends over it (`helpers.model.attention.AttentionBackend.attend`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-from .kv_quant import SCALE_DTYPE, dequantize_kv, quantize_kv
+from .kv_format import COMPUTE_DTYPE_KV, KVFormat
+from .kv_quant import SCALE_DTYPE, dequantize_kv
 
 
 class KVRead(NamedTuple):
@@ -53,21 +54,20 @@ class KVRead(NamedTuple):
 
 
 class KVStorage:
-    """One keys tensor and one values tensor of `shape` (..., head_dim) per layer; with `int8`, int8 numbers and a
-    float32 scale of shape (..., 1) beside each. A cache says where its positions live with an index (`where`):
-    a tuple of slices for the contiguous cache, a tensor of flat slots for the paged one."""
+    """One keys tensor and one values tensor of `shape` (..., head_dim) per layer, stored as `kv_format` says; a
+    scaled format (int8) keeps a float32 scale of shape (..., 1) beside each. A cache says where its positions live
+    with an index (`where`): a tuple of slices for the contiguous cache, a tensor of flat slots for the paged one."""
 
     def __init__(self, n_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
-                 int8: bool = False) -> None:
-        stored = torch.int8 if int8 else dtype
+                 kv_format: KVFormat = COMPUTE_DTYPE_KV) -> None:
+        stored = kv_format.stored_dtype(dtype)
         self.keys = [torch.zeros(shape, dtype=stored, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=stored, device=device) for _ in range(n_layers)]
+        scales = n_layers if kv_format.scaled else 0
         scale_shape = (*shape[:-1], 1)
-        self.key_scales = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) for _ in range(n_layers)] \
-            if int8 else []
-        self.value_scales = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) for _ in range(n_layers)] \
-            if int8 else []
-        self.dtype, self.int8, self.device = dtype, int8, torch.device(device)
+        self.key_scales = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) for _ in range(scales)]
+        self.value_scales = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) for _ in range(scales)]
+        self.dtype, self.kv_format, self.device = dtype, kv_format, torch.device(device)
 
     @property
     def nbytes(self) -> int:
@@ -76,11 +76,12 @@ class KVStorage:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def write(self, layer: int, where: object, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k and v at `where` of `layer`: quantized first in an int8 storage (each position's scale is fixed
-        when it is written)."""
-        if self.int8:
-            k, self.key_scales[layer][where] = quantize_kv(k)
-            v, self.value_scales[layer][where] = quantize_kv(v)
+        """Store k and v at `where` of `layer`, encoded by the format (an int8 position's scale is fixed when it is
+        written)."""
+        k, key_scales = self.kv_format.encode(k)
+        v, value_scales = self.kv_format.encode(v)
+        if self.kv_format.scaled:
+            self.key_scales[layer][where], self.value_scales[layer][where] = key_scales, value_scales
         self.keys[layer][where] = k
         self.values[layer][where] = v
 
@@ -92,6 +93,6 @@ class KVStorage:
     def at(self, layer: int, slots: slice | torch.Tensor, **how) -> KVRead:
         """What `layer` holds at `slots` (a slice of the position axis, or (batch, length) flat slots), read as `how`
         says (`KVRead`'s other fields)."""
-        if self.int8:
+        if self.kv_format.scaled:
             how |= dict(key_scales=self.key_scales[layer], value_scales=self.value_scales[layer])
         return KVRead(self.keys[layer], self.values[layer], slots=slots, **how)

@@ -22,13 +22,13 @@ from ..model.decoding import GREEDY, Sampling
 from ..model.gpt import GPT
 from .cached_attention import KVRead, KVStorage
 from .kv_cache import check_cache_room, decode_loop
-from .kv_quant import check_kv_cache_dtype
+from .kv_format import KVFormat, as_kv_format
 
 
 class StaticKVCache:
     """Keys and values for `max_len` positions of `batch` sequences, one (batch, kv_heads, max_len, head_dim) pair per
-    layer, preallocated and written in place at the positions `at` names; with `int8=True` stored as int8 with a
-    scale per position and head (`kv_quant`), as `KVCache(int8=True)` stores them.
+    layer, preallocated and written in place at the positions `at` names, stored as `kv_format` says (int8 with a
+    scale per position and head, as `KVCache(kv_format="int8")` stores them, or the compute dtype).
 
     The model's attention layers call it as they call `KVCache` (the `KVCacheView` protocol): `at(positions)` says
     where the next tokens go, `update` writes their keys and values there and hands the backend every slot, masked
@@ -37,14 +37,15 @@ class StaticKVCache:
     """
 
     def __init__(self, config: GPTConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", int8: bool = False) -> None:
+                 device: torch.device | str = "cpu", kv_format: str | KVFormat = "auto") -> None:
         if batch < 1 or not 1 <= max_len <= config.context_length:
             raise ValueError(f"need batch >= 1 and 1 <= max_len <= the context length {config.context_length}, got "
                              f"batch={batch}, max_len={max_len}")
+        self.kv_format = as_kv_format(kv_format)
         self.storage = KVStorage(config.n_layers, (batch, config.kv_heads, max_len, config.head_dim), dtype, device,
-                                 int8)
+                                 self.kv_format)
         self.slots = torch.arange(max_len, device=device)
-        self.batch, self.max_len, self.int8 = batch, max_len, int8
+        self.batch, self.max_len = batch, max_len
         self.input_pos = self.slots[:1]
 
     @property
@@ -85,12 +86,12 @@ class CompiledDecoder:
     eval mode and stay unchanged: the compiled graph holds its weights.
     """
 
-    def __init__(self, model: GPT, batch: int, max_len: int, *, kv_cache_dtype: str = "auto", compile: bool = True,
-                 backend: str | Callable = "inductor", mode: str | None = None) -> None:
+    def __init__(self, model: GPT, batch: int, max_len: int, *, kv_cache_dtype: str | KVFormat = "auto",
+                 compile: bool = True, backend: str | Callable = "inductor", mode: str | None = None) -> None:
         self.model = model.eval()
         device = next(model.parameters()).device
         self.cache = StaticKVCache(model.config, batch, max_len, model.ln_f.weight.dtype, device,
-                                   int8=check_kv_cache_dtype(kv_cache_dtype))
+                                   kv_format=kv_cache_dtype)
         if mode is None and device.type == "cuda" and backend == "inductor":
             mode = "reduce-overhead"
         self.step = torch.compile(self.decode, backend=backend, mode=mode, fullgraph=True, dynamic=False) \

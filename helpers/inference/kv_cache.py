@@ -20,7 +20,7 @@ from ..model.config import GPTConfig
 from ..model.decoding import GREEDY, Sampling, check_context, check_decoding, check_prompt
 from ..model.gpt import GPT
 from .cached_attention import KVRead, KVStorage
-from .kv_quant import check_kv_cache_dtype
+from .kv_format import KVFormat, as_kv_format
 
 
 def kv_cache_bytes_per_token(config: GPTConfig, dtype: torch.dtype = torch.float32) -> int:
@@ -34,9 +34,9 @@ class KVCache:
     """Pre-allocated keys and values for `max_len` positions, one (batch, kv_heads, max_len, head_dim) pair per layer.
 
     Allocating once and writing in place avoids re-copying the whole cache at every step, as `torch.cat` would.
-    `length` counts the positions filled so far; the prompts of a batch have equal lengths. With `int8=True` keys
-    and values are stored as int8 with a float32 scale per position and head (`helpers.inference.kv_quant`), and
-    read back in `dtype`.
+    `length` counts the positions filled so far; the prompts of a batch have equal lengths. With
+    `kv_format="int8"` keys and values are stored as int8 with a float32 scale per position and head
+    (`helpers.inference.kv_format`), and read back in `dtype`.
     """
 
     def __init__(
@@ -46,7 +46,7 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        int8: bool = False,
+        kv_format: str | KVFormat = "auto",
     ) -> None:
         if batch < 1 or max_len < 1:
             raise ValueError(f"batch and max_len must be at least 1, got batch={batch}, max_len={max_len}")
@@ -55,10 +55,11 @@ class KVCache:
                 f"max_len {max_len} exceeds the context length {config.context_length}: the position "
                 "embeddings stop there"
             )
+        self.kv_format = as_kv_format(kv_format)
         self.storage = KVStorage(config.n_layers, (batch, config.kv_heads, max_len, config.head_dim), dtype, device,
-                                 int8)
+                                 self.kv_format)
         self.keys, self.values = self.storage.keys, self.storage.values  # per layer: (batch, heads, max_len, head_dim)
-        self.batch, self.max_len, self.length, self.dtype, self.int8 = batch, max_len, 0, dtype, int8
+        self.batch, self.max_len, self.length, self.dtype = batch, max_len, 0, dtype
 
     @property
     def nbytes(self) -> int:
@@ -99,22 +100,22 @@ def generate_with_cache(
     sampling: Sampling = GREEDY,
     generator: torch.Generator | None = None,
     *,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str | KVFormat = "auto",
 ) -> torch.Tensor:
     """`GPT.generate` with a KV cache: prefill the prompts (batch, seq) of equal length, then one token per step,
     each picked by `sampling` (greedy by default).
 
     Returns the prompts with `max_new_tokens` tokens appended, the same tokens `GPT.generate` picks
     (up to floating-point ties: a one-token step and a whole-sequence forward round differently).
-    `kv_cache_dtype="int8"` stores the cache in int8 (`helpers.inference.kv_quant`): an approximation.
+    `kv_cache_dtype="int8"` stores the cache in int8 (`helpers.inference.kv_format`): an approximation.
     """
-    int8 = check_kv_cache_dtype(kv_cache_dtype)
+    stored_as = as_kv_format(kv_cache_dtype)
     cached = check_cache_room(model, idx, max_new_tokens, sampling)
     was_training = model.training
     model.eval()
     try:
         dtype = model.ln_f.weight.dtype  # the activations' dtype (quantization leaves the norms alone)
-        cache = KVCache(model.config, idx.size(0), cached, dtype, idx.device, int8=int8)
+        cache = KVCache(model.config, idx.size(0), cached, dtype, idx.device, kv_format=stored_as)
         last = torch.tensor([-1], device=idx.device)
         logits = model(idx, cache=cache, logits_at=last)[:, -1]  # prefill
         return decode_loop(logits, lambda token: model(token, cache=cache)[:, -1], idx, max_new_tokens, sampling,

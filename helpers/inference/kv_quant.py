@@ -16,15 +16,7 @@ import torch
 
 from ..model.config import GPTConfig
 
-KV_CACHE_DTYPES = ("auto", "int8")  # "auto": the model's own dtype
 SCALE_DTYPE = torch.float32
-
-
-def check_kv_cache_dtype(kv_cache_dtype: str) -> bool:
-    """True for an int8 cache; a clear error for anything but the known names."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; valid: {', '.join(KV_CACHE_DTYPES)}")
-    return kv_cache_dtype == "int8"
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

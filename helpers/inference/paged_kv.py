@@ -19,6 +19,7 @@ import torch
 
 from ..model.attention import IMPLEMENTATIONS
 from .cached_attention import KVRead, KVStorage
+from .kv_format import KVFormat, as_kv_format
 from .prefix_cache import ROOT, PrefixIndex, PrefixMatch
 
 
@@ -109,19 +110,20 @@ class PagedKVCache:
     (`match_prefix`, `attach`), and a released block keeps its contents (evictable) until it is allocated again.
     A sequence only ever writes into blocks it holds alone and that are not indexed.
 
-    With `int8=True` keys and values are stored as int8 with a float32 scale per token slot and head
-    (`helpers.inference.kv_quant`), and read back in `dtype`.
+    With `kv_format="int8"` keys and values are stored as int8 with a float32 scale per token slot and head
+    (`helpers.inference.kv_format`), and read back in `dtype`.
     """
 
     def __init__(self, n_layers: int, n_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 prefix_caching: bool = False, int8: bool = False) -> None:
+                 prefix_caching: bool = False, kv_format: str | KVFormat = "auto") -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
-        self.storage = KVStorage(n_layers, (num_blocks * block_size, n_heads, head_dim), dtype, device, int8)
-        self.dtype, self.int8, self.device = dtype, int8, self.storage.device
+        self.kv_format = as_kv_format(kv_format)
+        self.storage = KVStorage(n_layers, (num_blocks * block_size, n_heads, head_dim), dtype, device, self.kv_format)
+        self.dtype, self.device = dtype, self.storage.device
         self.block_tables: dict[Hashable, list[int]] = {}
         self._tables: dict[Hashable, torch.Tensor] = {}  # the same tables as tensors, for indexing
         self.prefix_index = PrefixIndex(block_size) if prefix_caching else None

@@ -34,7 +34,7 @@ import torch
 
 from ..model.decoding import GREEDY, ContextExceeded, Sampling, check_context, check_decoding
 from ..model.gpt import GPT
-from .kv_quant import check_kv_cache_dtype
+from .kv_format import KVFormat, as_kv_format
 from .paged_kv import BatchRow, PagedBatch, PagedKVCache
 from .scheduler import SCHEDULERS, Chunk, Request, SequenceState
 
@@ -164,10 +164,10 @@ class Engine:
 
     def __init__(self, model: GPT, *, max_batch: int, block_size: int = 16, num_blocks: int | None = None,
                  scheduling: str = "continuous", max_step_tokens: int | None = None,
-                 prefix_caching: bool = False, kv_cache_dtype: str = "auto") -> None:
+                 prefix_caching: bool = False, kv_cache_dtype: str | KVFormat = "auto") -> None:
         if scheduling not in SCHEDULINGS:
             raise ValueError(f"unknown scheduling {scheduling!r}; valid: {', '.join(SCHEDULINGS)}")
-        int8 = check_kv_cache_dtype(kv_cache_dtype)
+        stored_as = as_kv_format(kv_cache_dtype)
         if not isinstance(prefix_caching, bool):
             raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
         if prefix_caching and scheduling != "continuous":
@@ -185,7 +185,7 @@ class Engine:
         param = next(model.parameters())
         self.cache = PagedKVCache(model.config.n_layers, model.config.kv_heads, model.config.head_dim, num_blocks,
                                   block_size, dtype=param.dtype, device=param.device, prefix_caching=prefix_caching,
-                                  int8=int8)
+                                  kv_format=stored_as)
         self.scheduler = SCHEDULERS[scheduling](self.cache, max_batch, self.max_step_tokens)
         self._live: dict[Hashable, SequenceState] = {}  # submitted, neither complete nor aborted
         self._submissions = itertools.count()  # orders `run`'s completions as the requests were submitted

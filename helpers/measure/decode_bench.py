@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from ..inference.compiled_decode import CompiledDecoder
-from ..inference.kv_cache import KVCache, kv_cache_bytes_per_token
-from ..inference.kv_quant import kv_bytes_per_token_int8
+from ..inference.kv_cache import KVCache
+from ..inference.kv_format import KVFormat, as_kv_format
 from ..inference.quantization import quantize_linears, tie_int8_embedding
 from ..model.config import PRESETS, GPTConfig
 from ..model.gpt import GPT
@@ -84,10 +84,11 @@ def _step_inputs(config: GPTConfig, batch: int, positions: int, device: torch.de
     return prompt, torch.randint(0, config.vocab_size, (batch, 1), generator=g).to(device)
 
 
-def _decode_step(model: GPT, batch: int, positions: int, int8_kv: bool, device: torch.device) -> Callable[[], object]:
+def _decode_step(model: GPT, batch: int, positions: int, kv_format: KVFormat,
+                 device: torch.device) -> Callable[[], object]:
     """One decode step at a fixed context: the cache is prefilled once, each call adds a token and truncates it."""
     prompt, token = _step_inputs(model.config, batch, positions, device)
-    cache = KVCache(model.config, batch, positions + 1, model.ln_f.weight.dtype, device, int8=int8_kv)
+    cache = KVCache(model.config, batch, positions + 1, model.ln_f.weight.dtype, device, kv_format=kv_format)
     with torch.inference_mode():
         model(prompt, cache=cache, logits_at=torch.tensor([-1], device=device))
 
@@ -100,13 +101,12 @@ def _decode_step(model: GPT, batch: int, positions: int, int8_kv: bool, device: 
     return step
 
 
-def _compiled_step(model: GPT, batch: int, positions: int, int8_kv: bool, device: torch.device,
+def _compiled_step(model: GPT, batch: int, positions: int, kv_format: KVFormat, device: torch.device,
                    backend: str) -> Callable[[], object]:
     """The same step compiled over a static cache (`helpers.inference.compiled_decode`): each call rewrites the last
     slot. It is compiled here, before timing: the first call traces and compiles, the others replay."""
     prompt, token = _step_inputs(model.config, batch, positions, device)
-    decoder = CompiledDecoder(model, batch, positions + 1, kv_cache_dtype="int8" if int8_kv else "auto",
-                              backend=backend)
+    decoder = CompiledDecoder(model, batch, positions + 1, kv_cache_dtype=kv_format, backend=backend)
     decoder.prefill(prompt)
     position = torch.tensor([positions], device=device)
 
@@ -157,16 +157,15 @@ def bench_decode(model: GPT, batches: list[int], positions: int, calibration: Ca
     for batch in batches:
         for setup in setups:
             m = models.get(setup) or model
-            kv_per_token = (kv_bytes_per_token_int8(config) if setup.endswith("int8 KV")
-                            else kv_cache_bytes_per_token(config, dtype))
-            cached = 0 if setup == "no cache" else batch * positions * kv_per_token
+            kv_format = as_kv_format("int8" if setup.endswith("int8 KV") else "auto")
+            cached = 0 if setup == "no cache" else batch * positions * kv_format.bytes_per_token(config, dtype)
             required[setup, batch] = weight_bytes(m) + cached
             if setup == "no cache":
                 steps[setup, batch] = _recompute_step(m, batch, positions, device)
             elif setup.startswith("compiled"):
-                steps[setup, batch] = _compiled_step(m, batch, positions, setup.endswith("KV"), device, backend)
+                steps[setup, batch] = _compiled_step(m, batch, positions, kv_format, device, backend)
             else:
-                steps[setup, batch] = _decode_step(m, batch, positions, setup == "int8 KV", device)
+                steps[setup, batch] = _decode_step(m, batch, positions, kv_format, device)
     times = interleaved(steps, device, rounds=rounds)
     results = []
     for (setup, batch), spread in times.items():

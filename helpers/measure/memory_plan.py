@@ -259,15 +259,16 @@ def training_step_plan(config: GPTConfig, batch: int, seq: int, *, autocast: tor
 
 @functools.lru_cache(maxsize=256)
 def inference_plan(config: GPTConfig, batch: int, seq: int, *, dtype: torch.dtype = torch.float32,
-                   autocast: torch.dtype | None = None, cache_len: int | None = None, int8_kv: bool = False,
+                   autocast: torch.dtype | None = None, cache_len: int | None = None, kv_cache_dtype: str = "auto",
                    fused_attention: bool = True, device: str = "meta") -> MemoryPlan:
     """The memory of a forward pass without gradients over (batch, seq) tokens, the weights in `dtype` (and the
     forward under `autocast`, as a timed fp32 model runs in 16 bits).
 
     cache_len None: an evaluation (every position's logits and the loss, in fp32 at least). Otherwise a
-    generation: the prefill of `seq` prompt tokens into a KV cache of `cache_len` positions (`int8_kv`: int8 with
-    its scales), the LM head at the last position only, then one decode step. The cache is allocated whole before
-    the prefill, so this is the peak of generating up to `cache_len` positions: a decode step passes one token.
+    generation: the prefill of `seq` prompt tokens into a KV cache of `cache_len` positions (stored as
+    `kv_cache_dtype` says: "auto" or "int8"), the LM head at the last position only, then one decode step. The
+    cache is allocated whole before the prefill, so this is the peak of generating up to `cache_len` positions: a
+    decode step passes one token.
     `end_bytes`: the weights, and the cache. device: "meta" plans, "cpu" measures (see `plan_memory`)."""
     def work(model):
         x = torch.zeros(batch, seq, dtype=torch.long)
@@ -275,7 +276,7 @@ def inference_plan(config: GPTConfig, batch: int, seq: int, *, dtype: torch.dtyp
             if cache_len is None:
                 token_loss_sum(model(x), x)
                 return model
-            cache = KVCache(config, batch, cache_len, dtype, device, int8=int8_kv)
+            cache = KVCache(config, batch, cache_len, dtype, device, kv_format=kv_cache_dtype)
             last = model(x, cache=cache, logits_at=torch.tensor([seq - 1]))[:, -1]
             model(last.argmax(-1, keepdim=True), cache=cache)
             return model, cache
