@@ -6,8 +6,9 @@ The GPT with Mixture-of-Experts feed-forwards (`--ffn moe`, the default here) is
 `helpers.parallel.expert_parallel`: outside the experts every rank holds the whole model and runs its own part of the
 batch (data parallel); in each MoE layer the token slots go to the rank that owns their expert and their outputs
 come back, with `all_to_all_single` (the counts first, then the hidden vectors). Compared with one process running
-the whole batch (same weights, computed on every rank): each rank's logits, the loss, and every gradient (each rank
-its own experts; the replicated parameters' gradients averaged over the ranks, as DDP would).
+the whole batch (same weights, computed on every rank): each rank's logits, the loss (the token loss plus the
+routers' balance and z-losses, `RouterLoss`), and every gradient (each rank its own experts; the replicated
+parameters' gradients averaged over the ranks, as DDP would).
 
 The exchanges are counted (calls, bytes handed, bytes sent to other ranks, forward and backward apart) against the
 analytic figure for the routing one process chose (`exchange_bytes`: the slots each rank sends away and gets back),
@@ -46,14 +47,21 @@ from helpers.parallel.runtime import (
 )
 from helpers.system.args import positive_int
 from helpers.system.device import parse_dtype
-from helpers.training.step import lm_loss
+from helpers.training.step import RouterLoss, lm_loss
+
+ROUTER = RouterLoss(balance=0.01, z=0.001)
+
+
+def mean_loss(model: GPT, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits, and the loss per target token with the routers' balance and z terms (`RouterLoss`)."""
+    logits = model(x)
+    return logits, lm_loss(logits, y) + ROUTER.router_terms(model)
 
 
 def reference_pass(base: GPT, x: torch.Tensor, y: torch.Tensor):
     """One process on the whole batch: logits, loss, gradients, and each MoE layer's chosen experts (tokens, k)."""
     model = copy.deepcopy(base)
-    logits = model(x)
-    loss = lm_loss(logits, y)
+    logits, loss = mean_loss(model, x, y)
     loss.backward()
     experts = [layer.routing.experts for layer in moe_layers(model)]
     return logits.detach(), loss.item(), {n: p.grad for n, p in model.named_parameters()}, experts
@@ -79,9 +87,8 @@ def expert_parallel_pass(base: GPT, x, y, reference, runtime) -> dict:
     model = expert_parallel_gpt(base, rank, world, logs)
     dist.barrier()
     w0 = bytes_written()
-    logits = model(x[mine])
+    logits, loss = mean_loss(model, x[mine], y[mine])
     w1 = bytes_written()
-    loss = lm_loss(logits, y[mine])
     loss.backward()
     w2 = bytes_written()
     average_gradients(model)

@@ -82,12 +82,14 @@ class Routing:
     def dropped(self) -> int:
         return int((~self.kept).sum())
 
-    def balance_loss(self) -> torch.Tensor:
+    def balance_loss(self, load: torch.Tensor | None = None) -> torch.Tensor:
         """Switch Transformer's auxiliary loss E · Σ_e f_e · P_e: 1 when routing is uniform, E when one expert
         takes everything (k=1; at most E/k with k experts a token). f (the slots' shares) has no gradient; P (the
-        mean probabilities) carries it."""
+        mean probabilities) carries it. `load`: the slot counts f is taken from, by default this batch's; over
+        several ranks the whole batch's (`expert_load`), so the ranks' losses average to one process's."""
         n_experts = self.probs.size(-1)
-        share = self.load.to(self.probs.dtype) / self.experts.numel()
+        load = self.load if load is None else load
+        share = load.to(self.probs.dtype) / load.sum()
         return n_experts * (share * self.probs.mean(0)).sum()
 
     def z_loss(self) -> torch.Tensor:

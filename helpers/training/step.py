@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.lm_head import IGNORE_INDEX
-from ..model.moe import moe_layers, update_router_bias
+from ..model.moe import expert_load, moe_layers, update_router_bias
 from ..system.device import needs_grad_scaler
 
 
@@ -172,12 +172,18 @@ class RouterLoss:
 
     def __call__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = self.base(model, x, y)
+        return loss + self.router_terms(model) * (y != IGNORE_INDEX).sum()
+
+    def router_terms(self, model: nn.Module) -> torch.Tensor:
+        """The balance and z terms of the model's last training pass, averaged over its MoE layers; the balance
+        term's load is every rank's under expert parallelism (each rank's P is its own tokens', and the ranks'
+        gradients average)."""
         layers = moe_layers(model)
         if not layers:
             raise ValueError("RouterLoss balances a Mixture-of-Experts model; this one has no MoE layer "
                              "(ffn_type='moe')")
-        aux = sum(self.balance * layer.routing.balance_loss() + self.z * layer.routing.z_loss() for layer in layers)
-        return loss + aux / len(layers) * (y != IGNORE_INDEX).sum()
+        return sum(self.balance * layer.routing.balance_loss(expert_load(layer)) + self.z * layer.routing.z_loss()
+                   for layer in layers) / len(layers)
 
     def after_step(self, model: nn.Module) -> None:
         if self.bias_rate:
