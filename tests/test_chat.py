@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+import tiktoken
 import torch
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -39,6 +40,7 @@ from helpers.text.instructions import (
     stdlib_instructions,
 )
 from helpers.text.tokenizer import get_tokenizer
+from helpers.text.tokenizer_files import save_tokenizer_files, special_tokens, vocab_size
 from helpers.training.step import lm_loss
 
 TEXT = "def dedent(text):\n    return text  # remove common leading whitespace from every line\n" * 20
@@ -191,6 +193,30 @@ def test_a_folder_whose_eos_token_is_no_special_token_is_refused(tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps(settings | {"eos_token": "</s>"}))
     with pytest.raises(WeightsError, match="eos_token '</s>' is none of the tokenizer's special tokens"):
         load_for_serving(folder)
-    with pytest.raises(TypeError, match="to serve a model with the chat markers, train it with a course BPETokenizer"):
-        export_for_serving(GPT(GPTConfig(vocab_size=50260, context_length=8, d_model=16, n_heads=2, n_layers=1)),
-                           with_chat_tokens(get_tokenizer()), tmp_path / "gpt2")
+    bytes_only = tiktoken.Encoding(name="bytes", pat_str=r"\S+|\s+", special_tokens={},
+                                   mergeable_ranks={bytes([b]): b for b in range(256)})
+    with pytest.raises(TypeError, match="of tiktoken's, only GPT-2's"):
+        export_for_serving(GPT(GPTConfig(vocab_size=256, context_length=8, d_model=16, n_heads=2, n_layers=1)),
+                           bytes_only, tmp_path / "bytes")
+
+
+def test_transformers_reads_the_saved_chat_tokenizer_as_the_server_does(tmp_path, tokenizer):
+    """The folder a chat model is served from, read by transformers: each marker one token (not the characters of
+    its name), the template's ids the server's, the end-of-turn token the eos; GPT-2's files stay GPT-2's, the
+    markers added beside them, and read back as the same encoding."""
+    transformers = pytest.importorskip("transformers")
+    model = GPT(GPTConfig(vocab_size=vocab_size(tokenizer), context_length=64, d_model=16, n_heads=2, n_layers=1))
+    folder = export_for_serving(model, tokenizer, tmp_path, chat_template=CHAT_TEMPLATE, eos_token=END)
+    served, theirs = load_for_serving(folder), transformers.AutoTokenizer.from_pretrained(folder)
+    assert special_tokens(served.tokenizer) == special_tokens(tokenizer)
+    messages = [{"role": "user", "content": "What does textwrap.dedent do?"}]
+    ids = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert ids == served.chat_ids(messages) == prompt_ids(tokenizer, messages[0]["content"])
+    assert theirs.eos_token_id == marker_ids(tokenizer)[END]
+    assert theirs.decode(ids) == served.tokenizer.decode(ids)
+    if isinstance(tokenizer, tiktoken.Encoding):
+        gpt2 = tmp_path / "gpt2"
+        save_tokenizer_files(get_tokenizer(), gpt2)
+        for name in ("vocab.json", "merges.txt"):
+            assert (folder / name).read_bytes() == (gpt2 / name).read_bytes()

