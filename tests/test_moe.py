@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from helpers.inference.compiled_decode import CompiledDecoder
 from helpers.measure.flops import count_with_flop_counter, forward_flops
+from helpers.measure.roofline import gpt_operations
 from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
 from helpers.model.hf_files import WeightsError
@@ -159,6 +160,25 @@ def test_flops_count_the_active_experts_exactly():
     assert analytic.mlp == CONFIG.n_layers * 2 * 16 * active
     total_expert_parameters = 4 * (32 * 48 + 24 * 32)
     assert sum(p.numel() for p in moe_layers(model)[0].parameters()) > total_expert_parameters > active // 2
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 1), (2, 16)])
+def test_the_roofline_reads_every_used_experts_weights_for_its_share_of_the_tokens(batch, seq):
+    """32 tokens x 2 experts each over 4 experts: each expert's weights are read once for 16 rows, not one matrix
+    twice as wide for all 32; one token reads only its 2 experts'. The FLOPs are still the active ones."""
+    ops = {op.name: op for op in gpt_operations(CONFIG, batch, seq)}
+    tokens = batch * seq
+    d, hidden, slots, size = 32, 24, 2 * tokens, 4
+    experts_read = min(4, slots)
+    up = ops["experts' gate and up (2 of 4 a token)"]
+    assert up.flops == 2 * slots * d * 2 * hidden
+    assert up.bytes == (slots * d + experts_read * d * 2 * hidden + slots * 2 * hidden) * size
+    dense = 2 * tokens * d * 2 * hidden * 2 / ((tokens * d + d * 2 * hidden * 2 + tokens * 2 * hidden * 2) * size)
+    assert up.intensity < dense  # (one token: its input read once for each of its two experts)
+    down = ops["experts' down (2 of 4 a token)"]
+    assert sum(ops[name].flops for name in ("router", up.name, down.name)) == forward_flops(CONFIG, batch, seq).mlp // 2
+    out = down.make()()
+    assert out.shape == (experts_read, -(-slots // experts_read), d)
 
 
 def test_router_loss_adds_the_balancing_terms_per_target_token_and_trains():

@@ -63,6 +63,16 @@ def gpt_operations(config: GPTConfig, batch: int, seq: int, device: torch.device
             return lambda: F.linear(x, w)
         return Operation(name, "matmul", 2 * m * k * n, (m * k + k * n + m * n) * size, make, device)
 
+    def expert_matmuls(name: str, experts: int, m: int, k: int, n: int) -> Operation:
+        """m rows (a token's row for each of its experts) shared by `experts` weights as a balanced router shares
+        them: each weight read once for its share. Timed as one batched product of equal shares (rounded up)."""
+        used = min(experts, m)  # fewer rows than experts leave some weights unread
+
+        def make():
+            x, w = randn(used, -(-m // used), k)(), randn(used, n, k)()
+            return lambda: torch.bmm(x, w.transpose(1, 2))
+        return Operation(name, "matmul", 2 * m * k * n, (m * k + used * k * n + m * n) * size, make, device)
+
     def elementwise(name: str, flops_per_element: int, shape: tuple[int, int], fn, inputs: int = 1) -> Operation:
         def make():
             xs = [randn(*shape)() for _ in range(inputs)]
@@ -89,7 +99,9 @@ def gpt_operations(config: GPTConfig, batch: int, seq: int, device: torch.device
     return [
         matmul("QKV projection", tokens, d, 3 * d),
         matmul("attention output projection", tokens, d, d),
-        *(matmul(m.label, tokens, m.in_features, m.out_features) for m in feed_forward.matmuls(config)),
+        *(matmul(m.label, tokens, m.in_features, m.out_features) if m.weights == 1
+          else expert_matmuls(m.label, m.weights, tokens * m.per_token, m.in_features, m.out_features)
+          for m in feed_forward.matmuls(config)),
         matmul("LM head", tokens, d, config.vocab_size),
         Operation("Q·Kᵀ scores (eager, writes T×T)", "attention", 2 * scores * hd,
                   (2 * batch * heads * seq * hd + scores) * size, make_scores, device),

@@ -23,15 +23,21 @@ if TYPE_CHECKING:  # for annotations only: the config validates ffn_type against
 
 @dataclass(frozen=True)
 class Matmul:
-    """A matmul against a weight, per token: in_features -> out_features, 2·in·out FLOPs in the forward pass."""
+    """A matmul against a weight, per token: in_features -> out_features, 2·in·out FLOPs in the forward pass.
+
+    Experts: `weights` matrices of that shape, each token through `per_token` of them (a Mixture-of-Experts layer's
+    E experts and its top k). Each weight then multiplies only its share of the tokens, so it is read for fewer
+    FLOPs than one dense matrix of k times the width would be: the roofline places it lower."""
 
     label: str  # as the roofline names it
     in_features: int
     out_features: int
+    weights: int = 1
+    per_token: int = 1
 
     @property
     def flops_per_token(self) -> int:
-        return 2 * self.in_features * self.out_features
+        return 2 * self.in_features * self.out_features * self.per_token
 
 
 @dataclass(frozen=True)

@@ -226,9 +226,10 @@ class MoEFeedForward(FeedForwardPart):
     @classmethod
     def matmuls(cls, config: GPTConfig) -> list[Matmul]:
         """Per token: the router, and k experts' matmuls (the active ones), plus the shared expert's."""
-        hidden, k, d = cls.hidden_dim(config), config.experts_per_token, config.d_model
-        active = [Matmul("router", d, config.n_experts), Matmul(f"{k} experts' gate and up", d, 2 * hidden * k),
-                  Matmul(f"{k} experts' down", hidden * k, d)]
+        hidden, k, d, n = cls.hidden_dim(config), config.experts_per_token, config.d_model, config.n_experts
+        active = [Matmul("router", d, n),
+                  Matmul(f"experts' gate and up ({k} of {n} a token)", d, 2 * hidden, weights=n, per_token=k),
+                  Matmul(f"experts' down ({k} of {n} a token)", hidden, d, weights=n, per_token=k)]
         return active + (SwiGLUFeedForward.matmuls(config) if config.shared_expert else [])
 
     @classmethod
