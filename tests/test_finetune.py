@@ -7,7 +7,7 @@ import torch
 from rouge_score import rouge_scorer
 
 from helpers.measure.answers import answer_questions, answer_summary, rouge_l
-from helpers.measure.fine_tuning import fine_tuning_cost, lora
+from helpers.measure.fine_tuning import Method, compare_fine_tuning, fine_tuning_cost, lora
 from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
 from helpers.text.bpe import train_bpe
@@ -154,3 +154,25 @@ def test_exchange_batches_padded_otherwise_are_other_data(chat_data):
     state = ExchangeBatches(train, 8, pad, seed=3).state_dict()
     with pytest.raises(CheckpointError, match="tokens_sha256"):
         ExchangeBatches(train, 8, pad, seed=3, pack_length=96).load_state_dict(state)
+
+
+def test_a_comparison_runs_each_method_with_each_seed_and_puts_its_cost_beside_what_it_learned(chat_data):
+    tokenizer, train, val, questions, _ = chat_data
+    model = tiny_model(tokenizer)
+    pad = marker_ids(tokenizer)[END]
+    val = val[:8]
+    untrained = Trainer(model, ExchangeBatches(train, 4, pad), exchange_batches(val, 4, pad),
+                        TrainConfig(steps=1, batch_size=4, precision="float32", device="cpu")).evaluate()
+    methods = [Method("full", None, 3e-3), Method("lora 8", lora(8), 1e-2)]
+    full, adapters = compare_fine_tuning(model, tokenizer, train, val, questions[:2], methods, steps=4, batch_size=4,
+                                         seeds=(0, 1), max_new_tokens=4)
+    assert full.cost.name == "full" and adapters.cost.name == "lora 8"
+    assert adapters.cost.state.trainable < full.cost.state.trainable == full.cost.state.parameters
+    for result in (full, adapters):
+        assert len(result.answer_loss.samples) == len(result.ended.samples) == 2  # one per seed
+        assert len(result.step_seconds.samples) == 2 * (4 - 3)  # the first steps of each seed left out
+        assert result.measured_peak_bytes == pytest.approx(result.cost.peak_bytes, rel=0.02)
+        assert all(0 <= share <= 1 for share in (*result.ended.samples, *result.rouge_l.samples))
+    assert full.answer_loss.median < untrained  # four full steps lower the held-out answer loss
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 tiny_model(tokenizer).state_dict().values(), strict=True))

@@ -1,15 +1,19 @@
-"""What fine-tuning costs in memory: full fine-tuning against LoRA (and LoRA over int8 weights).
+"""What fine-tuning costs and buys: full fine-tuning against LoRA (and LoRA over int8 weights).
 
 Full fine-tuning keeps, beside the weights, a gradient and AdamW's two moments for every weight: four copies of the
 model. LoRA keeps them for its adapters only, which are a few per cent of the weights or less; what it still holds
 whole is the weights themselves (a quarter of them over an int8 base) and the activations of the step. The plan
 (`helpers.measure.memory_plan.training_step_plan` on the meta device) says a step's peak before anything runs, on
 any GPU; run on the CPU (`device="cpu"`) the same step is measured instead, which is how a plan is checked.
+`compare_fine_tuning` runs each way on the same model and data, to the same number of steps with each seed, and
+puts the cost (trainable parameters, state, peak, step time) beside what was learned (held-out answer loss, answers
+that end their turn, ROUGE-L).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import copy
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +21,14 @@ import torch
 from ..inference.quantization import quantize_linears
 from ..model.config import GPTConfig
 from ..model.gpt import GPT
+from ..text.chat import END, ChatExample, exchange_batches, marker_ids
+from ..text.instructions import Instruction
+from ..training.batches import ExchangeBatches
 from ..training.lora import BLOCK_PROJECTIONS, add_lora
+from ..training.trainer import TrainConfig, Trainer
+from .answers import answer_questions, answer_summary
 from .memory_plan import training_step_plan
+from .timing import Spread
 
 
 def lora(rank: int, alpha: float | None = None, targets: Iterable[str] = BLOCK_PROJECTIONS,
@@ -81,3 +91,60 @@ def fine_tuning_cost(name: str, config: GPTConfig, batch: int, seq: int, prepare
     plan = training_step_plan(config, batch, seq, autocast=autocast, device=device, prepare=prepare,
                               fused_attention=fused_attention)
     return FineTuningCost(name, state, plan.peak_bytes)
+
+
+@dataclass(frozen=True)
+class Method:
+    """A way of fine-tuning: what is done to the model first (None: nothing, every weight trains) and its peak
+    learning rate (adapters that start at zero take a larger one than weights already trained)."""
+
+    name: str
+    prepare: Callable[[GPT], GPT] | None
+    lr: float
+
+
+@dataclass(frozen=True)
+class FineTuningResult:
+    """One method run to the same number of steps with each seed: its cost and what it learned. The spreads hold
+    one sample per seed, except `step_seconds` (every step of every seed after the first few)."""
+
+    cost: FineTuningCost  # planned on the meta device
+    measured_peak_bytes: int  # the same step run and measured on the training device
+    step_seconds: Spread
+    answer_loss: Spread  # held-out loss per answer token
+    ended: Spread  # share of the held-out questions whose answer closed its turn before the limit
+    rouge_l: Spread
+
+
+def compare_fine_tuning(base: GPT, tokenizer, train: Sequence[ChatExample], validation: Sequence[ChatExample],
+                        questions: Sequence[Instruction], methods: Sequence[Method], *, steps: int, batch_size: int,
+                        seeds: Sequence[int] = (0,), max_new_tokens: int = 48, device: str = "cpu",
+                        warmup_steps: int = 0) -> list[FineTuningResult]:
+    """Fine-tune a copy of `base` (its vocabulary holding the chat markers) with each method and seed for `steps`
+    steps of `batch_size` exchanges packed into the context (so every step is the same size, and step times
+    compare), then score it on the held-out exchanges and questions. float32 throughout, so that the methods
+    differ only in what they train."""
+    pad, seq = marker_ids(tokenizer)[END], base.config.context_length
+    results = []
+    for method in methods:
+        losses, ended, rouge, seconds = [], [], [], []
+        for seed in seeds:
+            model = copy.deepcopy(base)
+            if method.prepare is not None:
+                method.prepare(model)
+            config = TrainConfig(steps=steps, batch_size=batch_size, lr=method.lr, min_lr=method.lr / 10,
+                                 warmup_steps=warmup_steps, precision="float32", device=device, weight_decay=0.0,
+                                 seed=seed)
+            trainer = Trainer(model, ExchangeBatches(train, batch_size, pad, seed=seed, pack_length=seq),
+                              exchange_batches(validation, batch_size, pad), config)
+            trainer.fit(progress=False)
+            losses.append(trainer.history["val_loss"][-1])
+            seconds += [batch_size * seq / rate for rate in trainer.history["tokens_per_s"][min(3, steps - 1):]]
+            summary = answer_summary(answer_questions(model.eval(), tokenizer, questions, max_new_tokens))
+            ended.append(summary["ended"])
+            rouge.append(summary["rouge_l"])
+        planned = fine_tuning_cost(method.name, base.config, batch_size, seq, method.prepare)
+        measured = fine_tuning_cost(method.name, base.config, batch_size, seq, method.prepare, device=device)
+        results.append(FineTuningResult(planned, measured.peak_bytes, Spread(tuple(seconds)), Spread(tuple(losses)),
+                                        Spread(tuple(ended)), Spread(tuple(rouge))))
+    return results
