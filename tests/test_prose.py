@@ -26,6 +26,12 @@ and "1M", `1e-3` is "0.001", `2**20` is "1,048,576" (not "1M"), `-0.5` is "0.5",
 comparison in words is a measurement however its number is set: no code literal exempts it. Anything else is a
 constant or a published figure named in the notebook's `prose_constants` (helpers.manifest) with the reason it
 holds everywhere.
+
+What README.md, RESULTS.md and the chapter READMEs may state: their regions written by code (between
+`<!-- what: who writes it -->` and `<!-- end of ... -->`) are outputs, not prose; a figure in the prose around
+them is printed (the same numbers with the same unit) in one of those regions or in the committed outputs of a
+notebook that its paragraph, list item or table row names (by path, link or, in a chapter's README, file name); or
+it is a constant in `DOCUMENT_CONSTANTS` below with its reason, or on a `RECORDED_LINE`.
 """
 
 import ast
@@ -41,6 +47,32 @@ from helpers.notebooks import ROOT, find_notebooks
 
 NOTEBOOKS = find_notebooks()
 IDS = [str(p.relative_to(ROOT)) for p in NOTEBOOKS]
+DOCUMENTS = [ROOT / "README.md", ROOT / "RESULTS.md", *sorted(ROOT.glob("ch*/README.md"))]
+DOCUMENT_IDS = [str(p.relative_to(ROOT)) for p in DOCUMENTS]
+
+# Figures the documents may state, each with why it holds on every machine.
+TIME_PLAN = "helpers.measure.time_plan's assumed T4 rates"
+DOCUMENT_CONSTANTS: dict[str, dict[str, str]] = {
+    "README.md": {
+        "7 minutes": "tests/budget.py's target for the parallel part on its reference machine",
+        "2 minutes": "tests/budget.py's target for the serial part and for make test-fast there",
+        "25%": "analytic: FlashAttention's backward runs five matmuls against four",
+        "15-minute": "setup/bootstrap.py's timeout for the clone and for pip (900 s)",
+        "10%": "helpers.measure.memory_plan's FRAGMENTATION allowance",
+        "1 GiB": "helpers.measure.memory_plan's CUDA_CONTEXT_BYTES allowance",
+        "2%": "tests/test_memory_plan.py's tolerance between the plan and the step run for real",
+        "20 TFLOP/s": TIME_PLAN, "220 GB/s": TIME_PLAN, "0.3 ms": TIME_PLAN, "0.2 ms": TIME_PLAN,
+        "30%": f"{TIME_PLAN} (20 of the T4's 65 fp16 TFLOP/s), and tests/budget.py's MARGIN",
+        "60%": f"{TIME_PLAN} (5 of the T4's 8.1 fp32 TFLOP/s)",
+        "4 ms": f"{TIME_PLAN}: 12 blocks at 0.3 ms and a call at 0.2 ms",
+        "8 minutes": "helpers.measure.time_plan's NOTEBOOK_MINUTES",
+        "80 KiB": "the shared memory our Triton backward kernels ask for (helpers/model/flash_triton.py)",
+        "0.47 MB": "the size of the text CPython ships in pydoc_data (it moves a little between releases)",
+        "45 MB": "the cpu-scale run's checkpoint, fixed by its model: ch05/01 prints 42.7 MiB",
+        "15 minutes": "the Makefile's --timeout=900",
+        "12 GB": ".ci/matrix.py's DISK_NEEDED_GB for the lowest leg",
+    },
+}
 
 NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 START = r"(?:(?<![\w.^/$,–-])|(?<=[\s(][-−]))"  # not inside a name, a version, a path or a range;
@@ -70,6 +102,8 @@ LINK_TARGET = re.compile(r"\]\([^)\s]*\)")
 CITED = re.compile(r"\]\(https?://(?!colab\.research\.google\.com)|\bpublished\b|et al\.", re.I)
 RECORDED_LINE = "> **On the recorded machine:**"
 SENTENCE = re.compile(r"(?<=[.;:!?])\s+(?=[A-Z*(\[\"'_])|\n\s*\n|\n(?=\s*(?:[-*]|\d+\.)\s)|\s*\|\s*")
+GENERATED = re.compile(r"^<!-- [^\n:]+: [^\n]*-->$.*?^<!-- end of [^\n]*-->$", re.S | re.M)
+NAMED_NOTEBOOK = re.compile(r"(?:ch\d\d_\w+/)?(?:\d\d_\w+|solutions)\.ipynb")
 
 
 UNIT_NAMES = {"sec": "s", "secs": "s", "second": "s", "seconds": "s", "mins": "min", "minute": "min", "minutes": "min",
@@ -97,6 +131,12 @@ def figure_values(figure: str) -> list[set[float]]:
     """The values each number of a figure may be set to in code (a share is also its fraction: 10% is 10 or 0.1)."""
     numbers, unit = figure_parts(figure)
     return [{n, number_key(n / 100)} if unit == "%" else {n} for n in numbers]
+
+
+def figure_key(figure: str) -> tuple[tuple[float, ...], str]:
+    """What a printed figure must match: the same numbers with the same unit."""
+    numbers, unit = figure_parts(figure)
+    return tuple(numbers), unit
 
 
 def prose_figures(markdown: str) -> list[tuple[str, str, str, bool]]:
@@ -314,6 +354,68 @@ def test_every_constant_is_still_in_its_notebook():
         name = path.relative_to(ROOT).as_posix()
         stale = [figure for figure in entry(name).prose_constants if figure not in text]
         assert not stale, f"{name}: drop the prose_constants its prose no longer states: {stale}"
+
+
+# --- the READMEs and RESULTS.md ------------------------------------------------------------------------------------
+
+def printed_figures(text: str) -> set[tuple[tuple[float, ...], str]]:
+    return {figure_key(m.group()) for m in FIGURE.finditer(text)}
+
+
+@cache
+def output_figures(path: Path) -> set[tuple[tuple[float, ...], str]]:
+    """Every figure a notebook's committed outputs print."""
+    return printed_figures("\n".join(out.get("text", "") + out.get("data", {}).get("text/plain", "")
+                                     for cell in read(path).cells for out in cell.get("outputs", [])))
+
+
+def unexplained_figures(text: str, folder: Path, constants=()) -> list[tuple[str, str]]:
+    """(figure, sentence) for each figure a document's prose states that none of its generated regions prints,
+    nor any notebook its paragraph, list item or table row names, and that is none of `constants`."""
+    generated = printed_figures("\n".join(m.group() for m in GENERATED.finditer(text)))
+    found = []
+    for figure, sentence, block, comparison in prose_figures(GENERATED.sub("\n\n", text)):
+        if figure in constants:
+            continue
+        named = {path for name in NAMED_NOTEBOOK.findall(block)
+                 for path in [ROOT / name if name.startswith("ch") else folder / name] if path.is_file()}
+        if comparison or figure_key(figure) not in generated.union(*(output_figures(path) for path in named)):
+            found.append((figure, sentence))
+    return found
+
+
+def test_a_document_may_state_its_generated_values_and_its_notebooks_outputs(tmp_path):
+    text = ("Intro: the course runs for 57 minutes; make test takes 9.0 min.\n\n"
+            "<!-- times: written by `python -m helpers record` -->\n| a | 57 min | 0.97x |\n<!-- end of times -->\n\n"
+            "| [`01_kv_cache.ipynb`](01_kv_cache.ipynb) | the cache is 1.86x faster | 3.79x the sequences |\n\n"
+            f"The engine is 1.86x faster.\n{RECORDED_LINE} 9.5 min\n\n```text\n8.25 ms\n```\n")
+    nb = markdown_notebook("text")
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="cached: 1.86x the tokens/s\n")]
+    nbformat.write(nb, tmp_path / "01_kv_cache.ipynb")
+    assert unexplained_figures(text, tmp_path) == [
+        ("9.0 min", "Intro: the course runs for 57 minutes; make test takes 9.0 min."),
+        ("3.79x", "3.79x the sequences"), ("1.86x", "The engine is 1.86x faster.")]
+    nb.cells[0].outputs[0].text = "cached: 1.86 s, 3.79x the sequences\n"  # another unit is another figure
+    nbformat.write(nb, tmp_path / "01_kv_cache.ipynb")
+    read.cache_clear()
+    output_figures.cache_clear()
+    assert [figure for figure, _ in unexplained_figures(text, tmp_path)] == ["9.0 min", "1.86x", "1.86x"]
+    assert unexplained_figures(text, tmp_path, {"9.0 min": "x", "3.79x": "y", "1.86x": "z"}) == []
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=DOCUMENT_IDS)
+def test_the_documents_quote_no_figure_they_do_not_show(path):
+    name = path.relative_to(ROOT).as_posix()
+    found = unexplained_figures(path.read_text(), path.parent, DOCUMENT_CONSTANTS.get(name, {}))
+    assert not found, "name the notebook whose output the figure is, put it in a generated region, or name a " \
+        "constant in DOCUMENT_CONSTANTS with why it holds:\n" + \
+        "\n".join(f"  {figure!r} in: {sentence[:160]}" for figure, sentence in found)
+
+
+def test_every_document_constant_is_still_in_its_document():
+    for name, constants in DOCUMENT_CONSTANTS.items():
+        stale = [figure for figure in constants if figure not in " ".join((ROOT / name).read_text().split())]
+        assert not stale, f"{name}: drop the DOCUMENT_CONSTANTS it no longer states: {stale}"
 
 
 # --- claims ---------------------------------------------------------------------------------------------------------
