@@ -36,6 +36,7 @@ from .model.config import GPTConfig
 from .model.feed_forward import swiglu_hidden_dim
 from .model.gpt import GPT
 from .system.device import DeviceCapabilities, autocast_dtype
+from .training.step import ChunkedLoss
 
 Workloads = Callable[[dict, DeviceCapabilities], list[tuple[str, int]]]
 T4Time = Callable[[dict, torch.dtype | None, float | None], TimeEstimate]
@@ -233,7 +234,7 @@ def chapter5_solutions_memory(p, caps):  # each section's largest step beside th
             ("5.5 Trainer step beside the probe", training_step_plan(lr, p["LR_BATCH"], p["LR_CONTEXT"]).peak_bytes
              + held + 8 * parameter_count(lr)),
             ("5.8 blocks pass", training_step_plan(act, p["ACT_BATCH"], p["ACT_CTX"], autocast=low,
-                                                   loss_chunk=128).peak_bytes + held)]
+                                                   loss=ChunkedLoss(128)).peak_bytes + held)]
 
 
 # Serving engines preallocate their whole paged cache, so a served run is planned as a generation with that many

@@ -10,9 +10,11 @@ from helpers.measure.batch_size import (
     BatchSizeError,
     CpuMemoryBudget,
     cuda_step_fits,
+    head_settings,
     largest_batch_size,
     make_training_step,
 )
+from helpers.training.step import FULL, ChunkedLoss, DistillationLoss, FullLoss, head_loss
 
 TINY = GPTConfig(vocab_size=97, context_length=32, d_model=48, n_heads=4, n_layers=2, dropout=0.0)
 
@@ -102,7 +104,7 @@ def test_cpu_budget_measures_checkpointing_and_the_chunked_head():
     gpt-smoke's size the logits dominate, and checkpointing keeps only each block's input."""
     config = GPTConfig.from_preset("gpt-smoke")
     growth = {}
-    for name, kwargs in {"plain": {}, "lean": {"checkpointing": "block", "loss_chunk": 16}}.items():
+    for name, kwargs in {"plain": {}, "lean": {"checkpointing": "block", "loss": ChunkedLoss(16)}}.items():
         budget = CpuMemoryBudget(config, seq=64, budget_bytes=1 << 40, **kwargs)
         budget(2), budget(6)
         growth[name] = (budget.peaks[6] - budget.peaks[2]) / 4
@@ -110,5 +112,13 @@ def test_cpu_budget_measures_checkpointing_and_the_chunked_head():
     assert growth["lean"] < growth["plain"] / 3
     with pytest.raises(ValueError, match="unknown activation checkpointing"):
         CpuMemoryBudget(config, 64, 1 << 30, checkpointing="most")
-    with pytest.raises(ValueError, match="loss_chunk must be 1 or more"):
-        CpuMemoryBudget(config, 64, 1 << 30, loss_chunk=0)
+
+
+def test_cpu_budget_sends_the_fresh_process_a_loss_it_can_rebuild():
+    """The measuring process gets JSON: head_loss rebuilds the plain and chunked losses from their settings; a loss
+    holding code or a model is refused before any process starts."""
+    for loss in (FULL, FullLoss(vocab_size=100), ChunkedLoss(16), ChunkedLoss(16, vocab_size=100)):
+        assert head_loss(**head_settings(loss)) == loss
+    for loss in (FullLoss(forward=lambda model, x: model(x)), DistillationLoss(GPT(TINY))):
+        with pytest.raises(ValueError, match="a fresh process rebuilds the loss from its settings"):
+            CpuMemoryBudget(TINY, 32, 1 << 30, loss=loss)

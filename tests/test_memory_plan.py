@@ -28,6 +28,7 @@ from helpers.measure.memory_plan import (
 from helpers.model.config import GPTConfig
 from helpers.notebooks import ROOT, find_notebooks, recorded_seconds
 from helpers.system.device import REFERENCE_DEVICES, autocast_dtype
+from helpers.training.step import FULL, ChunkedLoss
 
 GPUS = ["t4", "l4", "a100"]
 
@@ -77,7 +78,7 @@ def test_a_plan_on_meta_matches_the_same_steps_run_on_cpu(config, autocast, impl
         with pytest.raises(ValueError, match="in fp32 with fused_attention=False"):
             training_step_plan(config, 4, seq, autocast=autocast, fused_attention=fused, checkpointing="block")
         return
-    lean = {"checkpointing": "block", "loss_chunk": 32}  # recomputed blocks and the chunked head, on both sides
+    lean = {"checkpointing": "block", "loss": ChunkedLoss(32)}  # recomputed blocks and the chunked head, both sides
     planned_lean = training_step_plan(config, 4, seq, autocast=autocast, attn_implementation=implementation,
                                       fused_attention=fused, **lean)
     measured_lean = training_step_plan(config, 4, seq, autocast=autocast, attn_implementation=implementation,
@@ -96,12 +97,45 @@ def test_after_adamw_a_model_holds_weights_and_two_moments():
     assert 12 * n_params <= plan.end_bytes <= 12 * n_params + 8 * n_tensors  # + one step counter per tensor
 
 
+class ScratchLoss:
+    """The full loss, plus a scratch buffer of `nbytes` made before the forward and dropped once the optimizer has
+    stepped (`after_step`): a loss that holds memory through its step."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.scratch = nbytes, None
+
+    def __call__(self, model, x, y):
+        self.scratch = torch.empty(self.nbytes, dtype=torch.uint8)
+        return FULL(model, x, y)
+
+    def after_step(self, model) -> None:
+        self.scratch = None
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_a_plan_runs_the_steps_own_loss(device):
+    """The plan runs the TrainingStep it plans, not a copy of it: a loss holding a buffer through its step raises the
+    peak by that buffer, and its after_step hook frees it (a plan computing the loss its own way would see neither)."""
+    extra = 3 << 20
+    plain = training_step_plan(SMALL, 2, 64, device=device)
+    held = training_step_plan(SMALL, 2, 64, device=device, loss=ScratchLoss(extra))
+    assert held.peak_bytes == plain.peak_bytes + extra
+    assert held.end_bytes == plain.end_bytes
+
+
+def test_an_fp16_plan_takes_its_optimizer_steps():
+    """fp16 trains through a GradScaler, which skips a step whose gradients overflowed; on meta its overflow flag
+    has no value and reads as none, so AdamW's state is planned as a GPU allocates it."""
+    n_params = helpers.GPT(SMALL).num_parameters()
+    assert training_step_plan(SMALL, 2, 64, autocast=torch.float16).end_bytes >= 12 * n_params  # weights, 2 moments
+
+
 @pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
 def test_the_chunked_head_is_planned_under_16_bit_autocast(low):
     """The autocast stand-in caches each weight's cast by the weight's id; a short-lived view of one (the head's
     transposed weight) freed and its id reused by another tensor once handed back a cast of the wrong shape."""
     config = GPTConfig.from_preset("gpt2-small")
-    chunked = training_step_plan(config, 8, 1024, autocast=low, loss_chunk=128)
+    chunked = training_step_plan(config, 8, 1024, autocast=low, loss=ChunkedLoss(128))
     plain = training_step_plan(config, 8, 1024, autocast=low)
     assert chunked.end_bytes == plain.end_bytes  # the same weights and AdamW state
     logits = 8 * 1024 * config.vocab_size * 4  # fp32, as the loss computes them

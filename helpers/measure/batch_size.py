@@ -25,7 +25,7 @@ from ..model.config import GPTConfig
 from ..model.gpt import GPT
 from ..system.device import detect_capabilities, dtype_name, parse_dtype
 from ..training.precision import resolve_precision
-from ..training.step import TrainingStep, head_loss
+from ..training.step import FULL, ChunkedLoss, FullLoss, Loss, TrainingStep, head_loss
 from .memory import peak_cuda_bytes, peak_rss_above_baseline, run_in_fresh_process
 
 
@@ -73,14 +73,12 @@ def largest_batch_size(fits: Callable[[int], bool], start: int = 1, limit: int =
 
 
 def make_training_step(model: GPT, seq: int, dtype: torch.dtype | None = None,
-                       optimizer: torch.optim.Optimizer | None = None,
-                       loss_chunk: int | None = None) -> Callable[[int], None]:
+                       optimizer: torch.optim.Optimizer | None = None, loss: Loss = FULL) -> Callable[[int], None]:
     """A function running one training step (`helpers.training.step.TrainingStep`: forward, backward, AdamW) on `batch`
-    random sequences; a failed step (out of memory) leaves no gradients behind. loss_chunk: the LM head and loss
-    that many tokens at a time (`GPT.loss_sum`). The model's activation checkpointing stays as it is set."""
+    random sequences; a failed step (out of memory) leaves no gradients behind. loss: the step's (ChunkedLoss: the LM
+    head and loss a chunk of tokens at a time). The model's activation checkpointing stays as it is set."""
     device = next(model.parameters()).device
-    step = TrainingStep(model, optimizer or torch.optim.AdamW(model.parameters(), lr=1e-4), autocast=dtype,
-                        loss=head_loss(loss_chunk))
+    step = TrainingStep(model, optimizer or torch.optim.AdamW(model.parameters(), lr=1e-4), autocast=dtype, loss=loss)
     vocab = model.config.vocab_size
 
     def run(batch: int) -> None:
@@ -107,17 +105,26 @@ def cuda_step_fits(step: Callable[[int], None], device: torch.device | str = "cu
     return fits
 
 
+def head_settings(loss: FullLoss | ChunkedLoss) -> dict:
+    """`head_loss`'s arguments that rebuild `loss` in a fresh process, which gets JSON: FullLoss or ChunkedLoss, not
+    a loss holding code or models (a custom forward, a teacher)."""
+    if type(loss) not in (FullLoss, ChunkedLoss) or getattr(loss, "forward", None) is not None:
+        raise ValueError(f"a fresh process rebuilds the loss from its settings: use FullLoss or ChunkedLoss without a "
+                         f"custom forward, got {loss!r}")
+    return {"chunk": getattr(loss, "chunk", None), "vocab_size": loss.vocab_size}
+
+
 def training_peak_in_fresh_process(config: dict, batch: int, seq: int, dtype: str | None = None,
-                                   checkpointing: str | None = None, loss_chunk: int | None = None) -> int:
+                                   checkpointing: str | None = None, loss: dict | None = None) -> int:
     """Entry point of the fresh process: peak RSS (bytes) that building the model and two training steps add
-    (with activation checkpointing `checkpointing` and the LM head in chunks of `loss_chunk` tokens when given)."""
+    (with activation checkpointing `checkpointing`, and the loss `head_loss(**loss)`: `head_settings`)."""
     gpt_config = GPTConfig(**config)
     torch_dtype = parse_dtype(dtype) if dtype else None
 
     def build_and_train():
         torch.manual_seed(0)
         model = GPT(gpt_config).set_activation_checkpointing(checkpointing)
-        step = make_training_step(model, seq, torch_dtype, loss_chunk=loss_chunk)
+        step = make_training_step(model, seq, torch_dtype, loss=head_loss(**(loss or {})))
         step(batch)  # the first step allocates the optimizer's state
         step(batch)  # the second runs with it: the steady-state peak
 
@@ -150,19 +157,17 @@ class CpuMemoryBudget:
     """fits(batch) on CPU: the measured peak of model + optimizer + training step stays within `budget_bytes`.
 
     Every measurement runs in a fresh process (a few seconds each); `peaks` keeps them by batch size, and a
-    batch size already measured is not measured again. checkpointing, loss_chunk: as `GPT.set_activation_checkpointing`
-    and `TrainingStep`, for the step measured.
+    batch size already measured is not measured again. checkpointing, loss: as `GPT.set_activation_checkpointing`
+    and `TrainingStep`, for the step measured (FullLoss or ChunkedLoss: `head_settings`).
     """
 
     def __init__(self, config: GPTConfig, seq: int, budget_bytes: int, dtype: torch.dtype | None = None,
-                 checkpointing: str | None = None, loss_chunk: int | None = None) -> None:
+                 checkpointing: str | None = None, loss: FullLoss | ChunkedLoss = FULL) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"the memory budget must be positive, got {budget_bytes} bytes")
         check_checkpointing(checkpointing)
-        if loss_chunk is not None and loss_chunk < 1:
-            raise ValueError(f"loss_chunk must be 1 or more (or None for the plain head), got {loss_chunk}")
         self.config, self.seq, self.budget_bytes = config, seq, budget_bytes
-        self.checkpointing, self.loss_chunk = checkpointing, loss_chunk
+        self.checkpointing, self.head = checkpointing, head_settings(loss)
         self.dtype = None if dtype is None else dtype_name(dtype)
         self.peaks: dict[int, int] = {}
 
@@ -171,5 +176,5 @@ class CpuMemoryBudget:
             self.peaks[batch] = run_in_fresh_process("helpers.measure.batch_size:training_peak_in_fresh_process",
                                                      config=dataclasses.asdict(self.config), batch=batch,
                                                      seq=self.seq, dtype=self.dtype,
-                                                     checkpointing=self.checkpointing, loss_chunk=self.loss_chunk)
+                                                     checkpointing=self.checkpointing, loss=self.head)
         return self.peaks[batch] <= self.budget_bytes

@@ -37,7 +37,7 @@ from ..inference.kv_cache import KVCache
 from ..model.config import GPTConfig
 from ..model.gpt import GPT
 from ..system.device import DeviceCapabilities
-from ..training.step import token_loss_sum
+from ..training.step import FULL, Loss, TrainingStep, token_loss_sum
 
 T = TypeVar("T")
 GIB = 1 << 30
@@ -53,12 +53,20 @@ class LiveTensorBytes(TorchDispatchMode):
         super().__init__()
         self.current = self.peak = 0
         self._alive: set[int] = set()
+        self._overflow_flags: set[int] = set()  # storages of GradScaler's found-inf flags (floats)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
-            # .item() of a meta tensor has no value: a flag reads False (no error path taken), a number 1 (an
-            # optimizer's step count, which bias corrections divide by, or a loss to print)
-            return False if args[0].dtype == torch.bool else 1
+            # .item() of a meta tensor has no value: a flag reads False (no error path taken), a GradScaler's
+            # found-inf flag 0 (no overflow: the optimizer steps), any other number 1 (an optimizer's step count,
+            # which bias corrections divide by, or a loss to print)
+            if args[0].dtype == torch.bool:
+                return False
+            return 0 if id(args[0].untyped_storage()) in self._overflow_flags else 1
+        if func is torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default:
+            found_inf = args[1].untyped_storage()
+            self._track(found_inf)
+            self._overflow_flags.add(id(found_inf))
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -77,6 +85,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def _free(self, key: int, size: int) -> None:
         self._alive.discard(key)
+        self._overflow_flags.discard(key)
         self.current -= size
 
 
@@ -205,25 +214,27 @@ def plan_memory(work: Callable[..., object], *, device: str = "meta", fused_atte
     return MemoryPlan(tracker.peak, end)
 
 
-def precision(autocast: torch.dtype | None, device: str):
-    """Autocast to `autocast` (None: none), or the plan's stand-in for it on the meta device."""
+def precision(device_type: str, autocast: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """Autocast to `autocast` (None: none), or the plan's stand-in for it on the meta device; a `TrainingStep`'s
+    autocast_region."""
     if autocast is None:
         return contextlib.nullcontext()
-    return AutocastPlan(autocast) if device == "meta" else torch.autocast(device, dtype=autocast)
+    return AutocastPlan(autocast) if device_type == "meta" else torch.autocast(device_type, dtype=autocast)
 
 
 @functools.lru_cache(maxsize=256)  # a plan replays the whole step: notebooks and tests ask for the same ones
 def training_step_plan(config: GPTConfig, batch: int, seq: int, *, autocast: torch.dtype | None = None,
                        micro_batches: int = 1, fused_attention: bool = True, attn_implementation: str = "sdpa",
-                       steps: int = 2, device: str = "meta", checkpointing: str | None = None,
-                       loss_chunk: int | None = None, prepare: Callable[[GPT], GPT] | None = None) -> MemoryPlan:
-    """The memory of `steps` training steps of `GPT(config)`: `micro_batches` forward and backward passes of
-    (batch, seq) tokens each (the loss in fp32 at least, as `TrainingStep` computes it), gradient clipping, then
-    AdamW (the multi-tensor implementation a GPU uses). `end_bytes`: weights and optimizer state.
-    device: "meta" plans (see `plan_memory`); "cpu" runs the steps and measures them. checkpointing: the model's
-    activation checkpointing (`GPT.set_activation_checkpointing`); loss_chunk: the LM head and loss in chunks of
-    that many tokens (`GPT.loss_sum`). prepare: what is done to the model before training (`add_lora` freezes it
-    and adds adapters): the optimizer then keeps state for the parameters left trainable only."""
+                       steps: int = 2, device: str = "meta", checkpointing: str | None = None, loss: Loss = FULL,
+                       prepare: Callable[[GPT], GPT] | None = None) -> MemoryPlan:
+    """The memory of `steps` calls of the course's `TrainingStep` on `GPT(config)`, itself and not a copy of it:
+    `micro_batches` forward and backward passes of (batch, seq) tokens each under `autocast` (fp16 with its
+    GradScaler), the loss `loss` (FULL, ChunkedLoss(128), ...: hashable, as plans are cached by their arguments),
+    gradient clipping, then AdamW (the multi-tensor implementation a GPU uses). `end_bytes`: weights and optimizer
+    state (and fp16's loss scale). device: "meta" plans (see `plan_memory`); "cpu" runs the steps and measures them.
+    checkpointing: the model's activation checkpointing (`GPT.set_activation_checkpointing`). prepare: what is done
+    to the model before training (`add_lora` freezes it and adds adapters): the optimizer then keeps state for the
+    parameters left trainable only."""
     if checkpointing is not None and device == "meta" and (fused_attention or autocast is not None):
         raise ValueError("plan activation checkpointing in fp32 with fused_attention=False (or on a real device): "
                          "the plan's stand-ins for autocast and fused attention do not reach the recomputation")
@@ -232,27 +243,12 @@ def training_step_plan(config: GPTConfig, batch: int, seq: int, *, autocast: tor
         model = GPT(config, attn_implementation=attn_implementation).set_activation_checkpointing(checkpointing)
         if prepare is not None:
             model = prepare(model)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+        step = TrainingStep(model, optimizer, loss=loss, autocast=autocast, grad_clip=1.0, autocast_region=precision)
         x = torch.zeros(batch, seq, dtype=torch.long)
         for _ in range(steps):
-            for _ in range(micro_batches):
-                with precision(autocast, device):
-                    if loss_chunk is not None:
-                        summed = model.loss_sum(x, x, loss_chunk)
-                    else:
-                        logits = model(x)
-                if loss_chunk is None:
-                    summed = token_loss_sum(logits, x)
-                    del logits
-                loss = summed / (batch * seq * micro_batches)
-                del summed
-                loss.backward()
-                del loss
-            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return model, optimizer
+            step([(x, x)] * micro_batches)
+        return step
 
     return plan_memory(work, device=device, fused_attention=fused_attention)
 
@@ -272,7 +268,7 @@ def inference_plan(config: GPTConfig, batch: int, seq: int, *, dtype: torch.dtyp
     `end_bytes`: the weights, and the cache. device: "meta" plans, "cpu" measures (see `plan_memory`)."""
     def work(model):
         x = torch.zeros(batch, seq, dtype=torch.long)
-        with torch.no_grad(), precision(autocast, device):
+        with torch.no_grad(), precision(device, autocast):
             if cache_len is None:
                 token_loss_sum(model(x), x)
                 return model

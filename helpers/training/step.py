@@ -206,22 +206,27 @@ class TrainingStep:
     module's docstring). autocast: the forward's autocast
     dtype, None for plain fp32. grad_clip: max global gradient norm (None: no clipping); measure_grad_norm: compute
     the norm even without clipping. compile: `torch.compile` the forward and loss.
+    autocast_region(device_type, dtype): the context the forward and loss run in, `autocast_context` by default; a
+    memory plan of this step on the meta device, which torch.autocast does not support, passes its stand-in
+    (`helpers.measure.memory_plan.training_step_plan`).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Loss = FULL,
                  autocast: torch.dtype | None = None, grad_clip: float | None = None, measure_grad_norm: bool = False,
-                 compile: bool = False) -> None:
+                 compile: bool = False,
+                 autocast_region: Callable[[str, torch.dtype | None], contextlib.AbstractContextManager]
+                 = autocast_context) -> None:
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip must be positive or None, got {grad_clip}")
         self.model, self.optimizer, self.grad_clip, self.loss = model, optimizer, grad_clip, loss
         self.measure_grad_norm = measure_grad_norm or grad_clip is not None
         self.device_type = next(model.parameters()).device.type
-        self.autocast = autocast
+        self.autocast, self.autocast_region = autocast, autocast_region
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=needs_grad_scaler(autocast))
         self.loss_sum = torch.compile(self._loss_sum) if compile else self._loss_sum
 
     def _loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with autocast_context(self.device_type, self.autocast):  # token_loss_sum computes in fp32 at least
+        with self.autocast_region(self.device_type, self.autocast):  # token_loss_sum computes in fp32 at least
             return self.loss(self.model, x, y)
 
     def __call__(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
