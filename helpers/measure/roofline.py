@@ -14,14 +14,16 @@ import torch.nn.functional as F
 
 from ..model.config import GPTConfig
 from ..model.feed_forward import feed_forward_type
+from ..model.norm import norm_type
 from ..system.device import dtype_name
 from .calibration import Calibration
 from .flops import check_shape
 from .timing import Spread, interleaved
 
-# Rough arithmetic per element of the elementwise operations (a feed-forward declares its activation's). Whatever the
-# exact count, it is O(1) per element read, so their intensity stays near 1 FLOP/byte and memory bandwidth bounds them.
-ELEMENTWISE_FLOPS = {"softmax": 5, "layer_norm": 8, "add": 1}
+# Rough arithmetic per element of the elementwise operations (a feed-forward declares its activation's, a norm its own).
+# Whatever the exact count, it is O(1) per element read, so their intensity stays near 1 FLOP/byte and memory bandwidth
+# bounds them.
+ELEMENTWISE_FLOPS = {"softmax": 5, "add": 1}
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ def gpt_operations(config: GPTConfig, batch: int, seq: int, device: torch.device
     check_shape(config, batch, seq)
     size, device = torch.empty((), dtype=dtype).element_size(), torch.device(device)
     tokens, d, heads, hd = batch * seq, config.d_model, config.n_heads, config.head_dim
-    feed_forward = feed_forward_type(config)
+    feed_forward, norm = feed_forward_type(config), norm_type(config)
 
     def randn(*shape):
         return lambda: torch.randn(*shape, device=device, dtype=dtype)
@@ -95,7 +97,7 @@ def gpt_operations(config: GPTConfig, batch: int, seq: int, device: torch.device
         s = randn(batch, heads, seq, seq)()
         return lambda: torch.softmax(s, dim=-1)
 
-    ln_w, ln_b = torch.ones(d, device=device, dtype=dtype), torch.zeros(d, device=device, dtype=dtype)
+    norm_module = norm(config).to(device=device, dtype=dtype).requires_grad_(False)
     return [
         matmul("QKV projection", tokens, d, 3 * d),
         matmul("attention output projection", tokens, d, d),
@@ -109,8 +111,7 @@ def gpt_operations(config: GPTConfig, batch: int, seq: int, device: torch.device
                   4 * batch * heads * seq * hd * size, make_sdpa, device),
         Operation("softmax over scores (eager)", "elementwise", ELEMENTWISE_FLOPS["softmax"] * scores,
                   2 * scores * size, make_softmax, device),
-        elementwise("LayerNorm", ELEMENTWISE_FLOPS["layer_norm"], (tokens, d),
-                    lambda x: F.layer_norm(x, (d,), ln_w, ln_b)),
+        elementwise(norm.__name__, norm.flops_per_element, (tokens, d), norm_module),
         *(elementwise(op.label, op.flops_per_element, (tokens, op.width), op.run, op.inputs)
           for op in feed_forward.elementwise(config)),
         elementwise("residual add", ELEMENTWISE_FLOPS["add"], (tokens, d), torch.add, inputs=2),

@@ -6,11 +6,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from .feed_forward import FEED_FORWARDS
+from .norm import NORMS, norm_type
+from .position_encoding import POSITION_ENCODINGS, position_encoding_type
 
 GPT2_VOCAB_SIZE = 50257
-NORMS = ("layernorm", "rmsnorm")  # GPT-2's LayerNorm; LLaMA's RMSNorm (no mean, no bias)
 MOE_ROUTERS = ("softmax_topk", "topk_softmax")  # helpers.model.moe.route
-POSITION_ENCODINGS = ("learned", "rope")  # GPT-2's learned absolute table; rotary embeddings (RoFormer, LLaMA)
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,9 @@ class GPTConfig:
     tie_weights: bool = True  # LM head shares the token-embedding matrix, as in GPT-2
     ffn_type: str = "gelu"  # a registered feed-forward (helpers.model.feed_forward): "gelu" (GPT-2), "swiglu" (gated)
     # ---- the changes from GPT-2 to LLaMA-style decoders (ch08) ----
-    norm: str = "layernorm"  # "layernorm" (GPT-2) or "rmsnorm" (LLaMA, Qwen, Gemma)
+    norm: str = "layernorm"  # a registered norm (helpers.model.norm): "layernorm" (GPT-2), "rmsnorm" (LLaMA, Qwen)
     norm_eps: float = 1e-5
-    position_encoding: str = "learned"  # "learned" (GPT-2's table) or "rope" (rotate queries and keys)
+    position_encoding: str = "learned"  # registered in helpers.model.position_encoding: "learned" (GPT-2), "rope"
     rope_theta: float = 10000.0  # RoPE's base: frequencies theta^(-2i/head_dim)
     n_kv_heads: int | None = None  # key/value heads: None = n_heads (MHA), fewer = GQA, 1 = MQA
     head_size: int | None = None  # per-head width when it is not d_model / n_heads (Qwen3: 128 at any width)
@@ -75,8 +75,10 @@ class GPTConfig:
         if not self.norm_eps > 0 or not self.rope_theta > 0:
             raise ValueError(f"GPTConfig.norm_eps and rope_theta must be positive, got {self.norm_eps!r} and "
                              f"{self.rope_theta!r}")
-        if self.position_encoding == "rope" and self.head_dim % 2:
-            raise ValueError(f"RoPE rotates pairs of dimensions, so head_dim must be even, got {self.head_dim}")
+        encoding = position_encoding_type(self)
+        if encoding.rotary and self.head_dim % 2:
+            raise ValueError(f"{encoding.__name__} rotates pairs of dimensions, so head_dim must be even, got "
+                             f"{self.head_dim}")
 
     @property
     def head_dim(self) -> int:
@@ -89,9 +91,11 @@ class GPTConfig:
 
     @property
     def is_gpt2(self) -> bool:
-        """Whether the architecture is GPT-2's (sizes aside): no modern option is on."""
-        return (self.norm, self.position_encoding, self.kv_heads, self.head_dim, self.qk_norm, self.ffn_hidden) == (
-            "layernorm", "learned", self.n_heads, self.d_model // self.n_heads, False, None)
+        """Whether the architecture is GPT-2's (sizes aside): its layout's norm and position encoding, no other modern
+        option on."""
+        in_gpt2 = all("gpt2" in part.hf_layouts for part in (norm_type(self), position_encoding_type(self)))
+        return in_gpt2 and (self.kv_heads, self.head_dim, self.qk_norm, self.ffn_hidden) == (
+            self.n_heads, self.d_model // self.n_heads, False, None)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> GPTConfig:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .parts import add_to_registry
+
 if TYPE_CHECKING:  # for annotations only: the config validates ffn_type against this module's registry
     from .config import GPTConfig
 
@@ -130,16 +132,7 @@ FEED_FORWARDS: dict[str, type[FeedForwardPart]] = {}  # GPTConfig.ffn_type -> cl
 
 def register_feed_forward(part: type[FeedForwardPart]) -> type[FeedForwardPart]:
     """Make `part` a GPTConfig.ffn_type (usable as a class decorator)."""
-    declared = ("name", "tensor_parallel", "hf_layouts")
-    missing = [attribute for attribute in declared if not hasattr(part, attribute)]
-    missing += sorted(getattr(part, "__abstractmethods__", ()))
-    if not issubclass(part, FeedForwardPart) or missing:
-        raise TypeError(f"{part.__name__} must subclass FeedForwardPart and declare {', '.join(declared)} and its "
-                        "methods" + (f"; missing: {', '.join(missing)}" if missing else ""))
-    if part.name in FEED_FORWARDS:
-        raise ValueError(f"ffn_type {part.name!r} is taken by {FEED_FORWARDS[part.name].__name__}; choose another name")
-    FEED_FORWARDS[part.name] = part
-    return part
+    return add_to_registry(part, FeedForwardPart, FEED_FORWARDS, "ffn_type", ("name", "tensor_parallel", "hf_layouts"))
 
 
 def feed_forward_type(config: GPTConfig) -> type[FeedForwardPart]:

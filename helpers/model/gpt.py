@@ -18,15 +18,14 @@ from .config import GPTConfig
 from .decoding import GREEDY, Sampling, check_decoding, check_prompt, check_token_ids
 from .feed_forward import feed_forward_type
 from .lm_head import chunked_cross_entropy
-from .rope import rope_angles
+from .norm import norm_type
+from .position_encoding import position_encoding_type
 
 
 def norm_layer(config: GPTConfig) -> nn.Module:
-    """GPT-2's LayerNorm (subtract the mean, divide by the standard deviation, scale and shift) or RMSNorm (divide by
-    the root mean square, scale: one reduction fewer, no bias), over d_model."""
-    if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.d_model, eps=config.norm_eps)
-    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+    """The norm `config.norm` names, over d_model: GPT-2's LayerNorm, LLaMA's RMSNorm or another registered one
+    (`helpers.model.norm`)."""
+    return norm_type(config)(config)
 
 
 class TransformerBlock(nn.Module):
@@ -55,9 +54,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        # RoPE rotates queries and keys inside attention instead: no position table
-        learned = config.position_encoding == "learned"
-        self.pos_emb = nn.Embedding(config.context_length, config.d_model) if learned else None
+        # GPT-2's learned table; None for an encoding that has none (RoPE rotates queries and keys inside attention)
+        self.pos_emb = position_encoding_type(config).table(config)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(config, attn_implementation, layer_idx=i) for i in range(config.n_layers)
@@ -154,10 +152,9 @@ class GPT(nn.Module):
                              f"{tuple(idx.shape)}")
         else:
             x = idx
-        rope = None
-        if self.config.position_encoding == "rope":
-            pos = self.positions(x.size(1), x.device, cache)
-            rope = rope_angles(pos, self.config.head_dim, self.config.rope_theta)
+        encoding, rope = position_encoding_type(self.config), None
+        if encoding.rotary:
+            rope = encoding.angles(self.config, self.positions(x.size(1), x.device, cache))
         recompute = (self.activation_checkpointing is not None and cache is None and self.training
                      and torch.is_grad_enabled())
         for block in self.blocks:
@@ -188,8 +185,8 @@ class GPT(nn.Module):
         return torch.arange(seq, device=device) if cache is None else cache.positions(seq, device)
 
     def embed(self, idx: torch.Tensor, cache: KVCacheView | None = None) -> torch.Tensor:
-        """Token embeddings of `idx` (batch, seq), plus learned position embeddings (at the cache's next positions
-        when given) unless the model uses RoPE."""
+        """Token embeddings of `idx` (batch, seq), plus the position encoding's learned vectors (at the cache's next
+        positions when given) if it has a table."""
         if idx.dim() != 2:
             raise ValueError(f"expected token ids of shape (batch, seq), got shape {tuple(idx.shape)}")
         seq = idx.size(1)

@@ -25,27 +25,31 @@ from .hf_files import WeightsError, check_exported_config, save_with_config
 from .hub import WeightsUnavailable as WeightsUnavailable  # re-exported: what download_gpt2 raises
 from .hub import download_files
 from .loading import tie_weights
+from .norm import NORMS, norm_type
+from .parts import part_in_layout
+from .position_encoding import POSITION_ENCODINGS, position_encoding_type
 
 HF_PREFIX = "transformer."
 HF_BUFFERS = ("attn.bias", "attn.masked_bias")  # causal-mask buffers of old files: recomputed, not loaded
 GPT2_REPOSITORY = "openai-community/gpt2"
 
-_TOP = {"tok_emb.weight": "wte.weight", "pos_emb.weight": "wpe.weight", "ln_f.weight": "ln_f.weight",
-        "ln_f.bias": "ln_f.bias"}
-_BLOCK = {  # ours, after `blocks.{i}.` -> Hugging Face's, after `h.{i}.`
-    "ln1.weight": "ln_1.weight", "ln1.bias": "ln_1.bias",
+_ATTENTION = {  # ours, after `blocks.{i}.` -> Hugging Face's, after `h.{i}.`
     "attn.qkv.weight": "attn.c_attn.weight", "attn.qkv.bias": "attn.c_attn.bias",
     "attn.out_proj.weight": "attn.c_proj.weight", "attn.out_proj.bias": "attn.c_proj.bias",
-    "ln2.weight": "ln_2.weight", "ln2.bias": "ln_2.bias",
-}  # the feed-forward's names come from its registered type (helpers.model.feed_forward)
+}  # the norms', the position table's and the feed-forward's names come from their registered types
 
 
 def hf_names(config: GPTConfig) -> dict[str, str]:
     """Our parameter names -> Hugging Face's (without the `transformer.` prefix)."""
-    block = dict(_BLOCK)
+    norm = norm_type(config).parameter_names(config)
+
+    def norms(ours: str, theirs: str) -> dict[str, str]:
+        return {f"{ours}.{name}": f"{theirs}.{name}" for name in norm}
+
+    block = norms("ln1", "ln_1") | _ATTENTION | norms("ln2", "ln_2")
     for ours, (theirs,) in feed_forward_type(config).hf_weights(config, "gpt2").items():  # Conv1D: one to one
         block[f"mlp.{ours}"] = f"mlp.{theirs}"
-    names = dict(_TOP)
+    names = {"tok_emb.weight": "wte.weight"} | position_encoding_type(config).hf_layouts["gpt2"] | norms("ln_f", "ln_f")
     for i in range(config.n_layers):
         names.update({f"blocks.{i}.{ours}": f"h.{i}.{theirs}" for ours, theirs in block.items()})
     if not config.tie_weights:
@@ -70,6 +74,12 @@ def expected_hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _check_gpt2_architecture(config: GPTConfig) -> None:
+    unheld = [f"{field}={part.name!r}" for field, part in (("norm", norm_type(config)),
+                                                            ("position_encoding", position_encoding_type(config)))
+              if not part.hf_layouts]
+    if unheld:
+        raise WeightsError(f"no Hugging Face layout has tensor names for {' or '.join(unheld)}; keep this model in "
+                           "the course's own checkpoints (helpers.training.checkpoint)")
     if not config.is_gpt2:
         raise WeightsError("GPT-2's layout has LayerNorm, learned positions and multi-head attention; this config "
                            "has chapter 8's options: save it in the Llama layout (helpers.model.hf_llama)")
@@ -112,9 +122,11 @@ def config_from_hf(shapes: Mapping[str, tuple[int, ...]], hf_config: Mapping | N
         known = ", ".join(a for part in in_layout("gpt2").values() for a in part.hf_layouts["gpt2"].activations)
         raise WeightsError(f"{source}: activation_function={activation!r}, but helpers.GPT's feed-forward types in "
                            f"GPT-2's layout compute {known}; use transformers for this model")
-    eps = hf_config.get("layer_norm_epsilon", 1e-5)
+    norm, positions = part_in_layout(NORMS, "gpt2"), part_in_layout(POSITION_ENCODINGS, "gpt2")
+    norm_layout = norm.hf_layouts["gpt2"]
+    eps = hf_config.get(norm_layout.eps_key, norm_layout.default_eps)
     if eps != 1e-5:
-        raise WeightsError(f"{source}: layer_norm_epsilon={eps}, but helpers.GPT uses 1e-5; use transformers")
+        raise WeightsError(f"{source}: {norm_layout.eps_key}={eps}, but helpers.GPT uses 1e-5; use transformers")
     if hf_config.get("scale_attn_by_inverse_layer_idx"):
         raise WeightsError(f"{source}: scale_attn_by_inverse_layer_idx is set, which helpers.GPT does not do")
     vocab_size, d_model = shapes["wte.weight"]
@@ -125,8 +137,8 @@ def config_from_hf(shapes: Mapping[str, tuple[int, ...]], hf_config: Mapping | N
     if inner not in (None, 4 * d_model):
         raise WeightsError(f"{source}: n_inner={inner}, but helpers.GPT's MLP is 4 x d_model = {4 * d_model} wide")
     fields = dict(vocab_size=vocab_size, context_length=shapes["wpe.weight"][0], d_model=d_model,
-                  n_layers=n_layers, ffn_type=feed_forward.name, tie_weights=bool(hf_config.get("tie_word_embeddings",
-                                                                            "lm_head.weight" not in shapes)))
+                  n_layers=n_layers, ffn_type=feed_forward.name, norm=norm.name, position_encoding=positions.name,
+                  tie_weights=bool(hf_config.get("tie_word_embeddings", "lm_head.weight" not in shapes)))
     if "resid_pdrop" in hf_config:
         fields["dropout"] = float(hf_config["resid_pdrop"])
     heads = hf_config.get("n_head", n_heads)
@@ -237,7 +249,8 @@ def hf_config_dict(config: GPTConfig) -> dict:
     activation = feed_forward_type(config).hf_layouts["gpt2"].activations[0]
     out = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=config.vocab_size,
                n_positions=config.context_length, n_embd=config.d_model, n_layer=config.n_layers,
-               n_head=config.n_heads, n_inner=None, activation_function=activation, layer_norm_epsilon=1e-5,
+               n_head=config.n_heads, n_inner=None, activation_function=activation,
+               **{norm_type(config).hf_layouts["gpt2"].eps_key: config.norm_eps},
                resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
                scale_attn_weights=True, tie_word_embeddings=config.tie_weights)
     special = GPT2_VOCAB_SIZE - 1 if config.vocab_size == GPT2_VOCAB_SIZE else None  # GPT-2's <|endoftext|>

@@ -5,7 +5,9 @@ Their files name tensors `model.embed_tokens.weight`, `model.layers.{i}.self_att
 every linear layer as nn.Linear does, (out, in). Three differences from our layout: Q, K and V are three matrices
 (we stack them into one `qkv`), the SwiGLU's gate and up projections are two (we stack them into `fc`, as its
 registered type declares, `helpers.model.feed_forward`), and the
-architecture (heads, key/value heads, RoPE's θ, the norm's ε) comes from config.json, not from the shapes.
+architecture (heads, key/value heads, RoPE's θ, the norm's ε) comes from config.json, not from the shapes. The norm
+and the position encoding are the ones registered for this layout (`helpers.model.norm`,
+`helpers.model.position_encoding`), with their config.json keys.
 Qwen3 is LLaMA plus QK-norm (`q_norm`, `k_norm`) and a head width set apart from d_model.
 
 Position scaling beyond plain RoPE (Llama 3.1's "llama3" rope type, YaRN), sliding windows and biased projections
@@ -27,6 +29,9 @@ from .feed_forward import feed_forward_type, in_layout, part_with_activation
 from .gpt import GPT
 from .hf_files import WeightsError, check_exported_config, save_with_config
 from .loading import tie_weights
+from .norm import NORMS, norm_type
+from .parts import part_in_layout
+from .position_encoding import POSITION_ENCODINGS, position_encoding_type
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",  # model_type -> transformers class
                  "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -38,16 +43,23 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj")  # stacked, in this order, into our 
 
 def hf_groups(config: GPTConfig) -> dict[str, tuple[str, ...]]:
     """Our parameter names -> the Hugging Face tensors (full names) concatenated along dim 0 to make each."""
-    groups = {"tok_emb.weight": ("model.embed_tokens.weight",), "ln_f.weight": ("model.norm.weight",)}
+    norm = norm_type(config).parameter_names(config)
+
+    def norms(ours: str, theirs: str) -> dict[str, tuple[str, ...]]:
+        return {f"{ours}.{name}": (f"{theirs}.{name}",) for name in norm}
+
+    groups = {"tok_emb.weight": ("model.embed_tokens.weight",)}
+    groups |= {ours: (theirs,) for ours, theirs in position_encoding_type(config).hf_layouts["llama"].items()}
+    groups |= norms("ln_f", "model.norm")
     feed_forward = feed_forward_type(config).hf_weights(config, LAYOUTS[model_type_of(config)])
     for i in range(config.n_layers):
         theirs, ours = f"model.layers.{i}.", f"blocks.{i}."
+        groups |= norms(ours + "ln1", theirs + "input_layernorm")
         groups |= {
-            ours + "ln1.weight": (theirs + "input_layernorm.weight",),
             ours + "attn.qkv.weight": tuple(f"{theirs}self_attn.{p}.weight" for p in _ATTENTION),
             ours + "attn.out_proj.weight": (theirs + "self_attn.o_proj.weight",),
-            ours + "ln2.weight": (theirs + "post_attention_layernorm.weight",),
         }
+        groups |= norms(ours + "ln2", theirs + "post_attention_layernorm")
         groups |= {f"{ours}mlp.{name}": tuple(f"{theirs}mlp.{p}" for p in parts)
                    for name, parts in feed_forward.items()}
         if config.qk_norm:
@@ -62,9 +74,11 @@ def model_type_of(config: GPTConfig) -> str:
     """"qwen3_moe" for a Mixture-of-Experts config, else "qwen3" for one with QK-norm, "llama" without; refuses
     what none of these layouts holds."""
     held = in_layout("llama") | in_layout("qwen3_moe")
+    norm, positions = part_in_layout(NORMS, "llama"), part_in_layout(POSITION_ENCODINGS, "llama")
     problems = [what for what, bad in (
-        ("RMSNorm (norm='rmsnorm')", config.norm != "rmsnorm"),
-        ("RoPE (position_encoding='rope')", config.position_encoding != "rope"),
+        (f"{norm.__name__} (norm={norm.name!r})", norm_type(config) is not norm),
+        (f"{positions.__name__} (position_encoding={positions.name!r})",
+         position_encoding_type(config) is not positions),
         (f"a feed-forward it holds (ffn_type in {', '.join(held)})", config.ffn_type not in held),
         ("no biases (bias=False)", config.bias),
         ("QK-norm with experts (qwen3_moe: qk_norm=True)", config.ffn_type in in_layout("qwen3_moe")
@@ -76,16 +90,6 @@ def model_type_of(config: GPTConfig) -> str:
     if config.ffn_type in in_layout("qwen3_moe"):
         return "qwen3_moe"
     return "qwen3" if config.qk_norm else "llama"
-
-
-def _rope_theta(hf: Mapping, source: str) -> float:
-    """RoPE's θ from either spelling (`rope_parameters` since transformers 5, else `rope_theta`/`rope_scaling`)."""
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise WeightsError(f"{source}: rope_type {kind!r} rescales RoPE's frequencies, which helpers.GPT does not do; "
-                           "use transformers for this model")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
 def config_from_hf(hf: Mapping, source: str = "config.json") -> GPTConfig:
@@ -106,14 +110,17 @@ def config_from_hf(hf: Mapping, source: str = "config.json") -> GPTConfig:
                            f"layout compute {known}; use transformers for this model")
     d_model, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d_model // heads
+    norm, positions = part_in_layout(NORMS, "llama"), part_in_layout(POSITION_ENCODINGS, "llama")
+    norm_layout = norm.hf_layouts["llama"]
     return GPTConfig(
         vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"], d_model=d_model, n_heads=heads,
         n_layers=hf["num_hidden_layers"], dropout=float(hf.get("attention_dropout", 0.0)), bias=False,
-        tie_weights=bool(hf.get("tie_word_embeddings", False)), ffn_type=feed_forward.name, norm="rmsnorm",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), position_encoding="rope", rope_theta=_rope_theta(hf, source),
+        tie_weights=bool(hf.get("tie_word_embeddings", False)), ffn_type=feed_forward.name, norm=norm.name,
+        norm_eps=float(hf.get(norm_layout.eps_key, norm_layout.default_eps)), position_encoding=positions.name,
         n_kv_heads=hf.get("num_key_value_heads") or heads,
         head_size=None if head_dim * heads == d_model else head_dim, qk_norm=kind in ("qwen3", "qwen3_moe"),
-        **{"ffn_hidden": hf["intermediate_size"]} | feed_forward.config_from_hf(hf, layout),
+        **{"ffn_hidden": hf["intermediate_size"]} | feed_forward.config_from_hf(hf, layout)
+        | positions.config_from_hf(hf, "llama", source),
     )
 
 
@@ -125,8 +132,9 @@ def hf_config_dict(config: GPTConfig) -> dict:
         model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=config.vocab_size,
         hidden_size=config.d_model, intermediate_size=feed_forward.hidden_dim(config),
         num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads, num_key_value_heads=config.kv_heads,
-        head_dim=config.head_dim, max_position_embeddings=config.context_length, rms_norm_eps=config.norm_eps,
-        rope_theta=config.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        head_dim=config.head_dim, max_position_embeddings=config.context_length,
+        **{norm_type(config).hf_layouts["llama"].eps_key: config.norm_eps},
+        **position_encoding_type(config).hf_config(config, "llama"),
         hidden_act=feed_forward.hf_layouts[LAYOUTS[kind]].activations[0], attention_bias=False, mlp_bias=False,
         attention_dropout=config.dropout,
         tie_word_embeddings=config.tie_weights,

@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..model.config import PRESETS, GPTConfig
 from ..model.feed_forward import FEED_FORWARDS
+from ..model.norm import NORMS
+from ..model.position_encoding import POSITION_ENCODINGS
 from ..system.args import positive_float, positive_int
 from ..system.files import atomic_path
 
@@ -126,6 +128,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=positive_int,
                         help="vocab_size; token ids are taken modulo it (default: the preset's)")
     parser.add_argument("--ffn", choices=list(FEED_FORWARDS), help="feed-forward type (default: the preset's)")
+    parser.add_argument("--norm", choices=list(NORMS), help="norm (default: the preset's)")
+    parser.add_argument("--position-encoding", choices=list(POSITION_ENCODINGS),
+                        help="position encoding (default: the preset's)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: one GPU per process when there are enough, else CPU with gloo")
     parser.add_argument("--seed", type=int, default=0)
@@ -143,7 +148,8 @@ def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> GPTConfig:
     """The preset with the command line's overrides; dropout off, so every variant computes the same function."""
     overrides = {"n_layers": args.layers, "d_model": args.d_model, "n_heads": args.heads,
-                 "context_length": args.ctx, "vocab_size": args.vocab, "ffn_type": args.ffn}
+                 "context_length": args.ctx, "vocab_size": args.vocab, "ffn_type": args.ffn, "norm": args.norm,
+                 "position_encoding": args.position_encoding}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     return GPTConfig.from_preset(args.model, dropout=0.0, **overrides)
 

@@ -165,7 +165,7 @@ def tensor_parallel_gpt(gpt: GPT, rank: int, world_size: int, logs: TPLogs | Non
     attention computes this rank's heads. The model's forward pass runs unchanged, with its own attention
     implementation and feed-forward (whichever registered type, by the splits it declares).
 
-    Embeddings, LayerNorms and the LM head stay replicated: they see the same inputs and (after f's all-reduce) the
+    Embeddings, norms and the LM head stay replicated: they see the same inputs and (after f's all-reduce) the
     same gradients on every rank, so they stay equal without any extra communication.
     """
     check_tensor_parallel(gpt, world_size)
