@@ -163,7 +163,7 @@ def test_a_comparison_runs_each_method_with_each_seed_and_puts_its_cost_beside_w
     val = val[:8]
     untrained = Trainer(model, ExchangeBatches(train, 4, pad), exchange_batches(val, 4, pad),
                         TrainConfig(steps=1, batch_size=4, precision="float32", device="cpu")).evaluate()
-    methods = [Method("full", None, 3e-3), Method("lora 8", lora(8), 1e-2)]
+    methods = [Method("full", None, 3e-3), Method("lora 8", lora(8, train_tokens=marker_ids(tokenizer).values()), 1e-2)]
     full, adapters = compare_fine_tuning(model, tokenizer, train, val, questions[:2], methods, steps=4, batch_size=4,
                                          seeds=(0, 1), max_new_tokens=4)
     assert full.cost.name == "full" and adapters.cost.name == "lora 8"

@@ -127,6 +127,41 @@ def test_an_adapter_that_does_not_fit_is_refused_and_the_model_left_as_it_was(tm
             again(load_adapter(model64(), path))
 
 
+@pytest.mark.parametrize("tie_weights", [True, False], ids=["tied", "untied"])
+def test_the_new_tokens_rows_train_with_the_adapters_and_nothing_else_of_the_embedding(tmp_path, tie_weights):
+    """Tokens a model never saw (chat markers added at the end of its vocabulary) get rows of their own: at step 0
+    the model is unchanged, training moves those rows of the embedding and the head (one parameter when tied) and
+    no other, and the rows are merged and saved with the adapters."""
+    config = dataclasses.replace(CONFIG, tie_weights=tie_weights)
+    new = [58, 59, 60]
+    model, x = model64(config), tokens()
+    y = torch.full_like(x, 60)  # every target is a new token: only its rows can make it likely
+    before = model(x)
+    add_lora(model, rank=2, alpha=4.0, train_tokens=new)
+    assert torch.equal(model(x), before)
+    per_table = len(new) * CONFIG.d_model
+    adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert trainable_parameters(model) == adapters + per_table * (1 if tie_weights else 2)
+    losses = train(model.train(), x, y, steps=30, lr=3e-2)
+    assert losses[-1] < losses[0] - 1.0, losses
+    embedding = model.tok_emb.weight.detach()
+    frozen = model64(config).tok_emb.weight
+    changed = (embedding != frozen).any(-1).nonzero().flatten().tolist()
+    assert changed == new  # and no other row
+    if tie_weights:
+        assert torch.equal(model.lm_head.weight, model.tok_emb.weight)
+    path = save_adapter(model, tmp_path / "adapter.safetensors")
+    loaded = load_adapter(model64(config), path).eval()
+    model.eval()
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    merged = merge_lora(model)
+    plain = model64(config)
+    plain.load_state_dict(merged.state_dict(), strict=True)
+    torch.testing.assert_close(plain(x), loaded(x), rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="train_tokens must be token ids of the model's vocabulary, 0 to 60"):
+        add_lora(model64(config), train_tokens=[61])
+
+
 def test_bad_arguments_are_refused_with_what_to_do():
     with pytest.raises(ValueError, match="no Linear layer of the model is named ...attn.q_proj; its layers end with"):
         add_lora(model64(), targets=("attn.q_proj",))

@@ -32,15 +32,17 @@ from .timing import Spread
 
 
 def lora(rank: int, alpha: float | None = None, targets: Iterable[str] = BLOCK_PROJECTIONS,
-         int8: bool = False) -> Callable[[GPT], GPT]:
+         int8: bool = False, train_tokens: Iterable[int] = ()) -> Callable[[GPT], GPT]:
     """What LoRA does to a model before training (alpha: 2 x rank by default), over int8 block weights with
-    `int8` (the LM head and embeddings stay in float, as `quantize_linears` leaves them when asked)."""
-    targets = tuple(targets)
+    `int8` (the LM head and embeddings stay in float, as `quantize_linears` leaves them when asked), training the
+    embedding rows of `train_tokens` too (the chat markers a model has never seen)."""
+    targets, train_tokens = tuple(targets), tuple(train_tokens)
 
     def prepare(model: GPT) -> GPT:
         if int8:
             quantize_linears(model, skip=("lm_head",))
-        return add_lora(model, rank, 2.0 * rank if alpha is None else alpha, targets=targets)
+        return add_lora(model, rank, 2.0 * rank if alpha is None else alpha, targets=targets,
+                        train_tokens=train_tokens)
 
     return prepare
 
