@@ -173,6 +173,7 @@ def test_a_comparison_runs_each_method_with_each_seed_and_puts_its_cost_beside_w
         assert len(result.step_seconds.samples) == 2 * (4 - 3)  # the first steps of each seed left out
         assert result.measured_peak_bytes == pytest.approx(result.cost.peak_bytes, rel=0.02)
         assert all(0 <= share <= 1 for share in (*result.ended.samples, *result.rouge_l.samples))
+        assert [a.question for a in result.answers] == [q.question for q in questions[:2]]
     assert full.answer_loss.median < untrained  # four full steps lower the held-out answer loss
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                  tiny_model(tokenizer).state_dict().values(), strict=True))

@@ -26,7 +26,7 @@ from ..text.instructions import Instruction
 from ..training.batches import ExchangeBatches
 from ..training.lora import BLOCK_PROJECTIONS, add_lora
 from ..training.trainer import TrainConfig, Trainer
-from .answers import answer_questions, answer_summary
+from .answers import Answer, answer_questions, answer_summary
 from .memory_plan import training_step_plan
 from .timing import Spread
 
@@ -116,6 +116,7 @@ class FineTuningResult:
     answer_loss: Spread  # held-out loss per answer token
     ended: Spread  # share of the held-out questions whose answer closed its turn before the limit
     rouge_l: Spread
+    answers: tuple[Answer, ...]  # the first seed's, to read beside the references
 
 
 def compare_fine_tuning(base: GPT, tokenizer, train: Sequence[ChatExample], validation: Sequence[ChatExample],
@@ -129,7 +130,7 @@ def compare_fine_tuning(base: GPT, tokenizer, train: Sequence[ChatExample], vali
     pad, seq = marker_ids(tokenizer)[END], base.config.context_length
     results = []
     for method in methods:
-        losses, ended, rouge, seconds = [], [], [], []
+        losses, ended, rouge, seconds, first = [], [], [], [], None
         for seed in seeds:
             model = copy.deepcopy(base)
             if method.prepare is not None:
@@ -142,11 +143,13 @@ def compare_fine_tuning(base: GPT, tokenizer, train: Sequence[ChatExample], vali
             trainer.fit(progress=False)
             losses.append(trainer.history["val_loss"][-1])
             seconds += [batch_size * seq / rate for rate in trainer.history["tokens_per_s"][min(3, steps - 1):]]
-            summary = answer_summary(answer_questions(model.eval(), tokenizer, questions, max_new_tokens))
+            answers = answer_questions(model.eval(), tokenizer, questions, max_new_tokens)
+            first = answers if first is None else first
+            summary = answer_summary(answers)
             ended.append(summary["ended"])
             rouge.append(summary["rouge_l"])
         planned = fine_tuning_cost(method.name, base.config, batch_size, seq, method.prepare)
         measured = fine_tuning_cost(method.name, base.config, batch_size, seq, method.prepare, device=device)
         results.append(FineTuningResult(planned, measured.peak_bytes, Spread(tuple(seconds)), Spread(tuple(losses)),
-                                        Spread(tuple(ended)), Spread(tuple(rouge))))
+                                        Spread(tuple(ended)), Spread(tuple(rouge)), tuple(first)))
     return results
