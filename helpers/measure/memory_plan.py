@@ -37,7 +37,7 @@ from ..inference.kv_cache import KVCache
 from ..model.config import GPTConfig
 from ..model.gpt import GPT
 from ..system.device import DeviceCapabilities
-from ..training.step import FULL, Loss, TrainingStep, token_loss_sum
+from ..training.step import FULL, Loss, TrainingStep, autocast_context, token_loss_sum
 
 T = TypeVar("T")
 GIB = 1 << 30
@@ -217,9 +217,9 @@ def plan_memory(work: Callable[..., object], *, device: str = "meta", fused_atte
 def precision(device_type: str, autocast: torch.dtype | None) -> contextlib.AbstractContextManager:
     """Autocast to `autocast` (None: none), or the plan's stand-in for it on the meta device; a `TrainingStep`'s
     autocast_region."""
-    if autocast is None:
-        return contextlib.nullcontext()
-    return AutocastPlan(autocast) if device_type == "meta" else torch.autocast(device_type, dtype=autocast)
+    if device_type == "meta" and autocast is not None:
+        return AutocastPlan(autocast)
+    return autocast_context(device_type, autocast)
 
 
 @functools.lru_cache(maxsize=256)  # a plan replays the whole step: notebooks and tests ask for the same ones
