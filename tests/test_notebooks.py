@@ -119,6 +119,30 @@ def test_notebook_is_committed_clean(path):
         assert not any(a.output_type == b.output_type == "stream" and a.name == b.name for a, b in pairs)
 
 
+def shown_value(cell) -> str | None:
+    """What Jupyter shows below a code cell as its value: the call of its last statement, if it is a bare call."""
+    import ast
+
+    if cell.source.startswith("%%"):  # a cell magic (%%writefile): not Python, shows no value
+        return None
+    body = ast.parse(cell.source).body
+    if body and isinstance(body[-1], ast.Expr) and isinstance(body[-1].value, ast.Call):
+        return ast.unparse(body[-1].value.func)
+    return None
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_an_exercise_check_prints_its_verdict_and_shows_no_bare_bool(path):
+    """A check returns True or False for the tests; in a notebook its printed line is the verdict, and a bare
+    `False` under a starter cell reads as an error."""
+    code = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    shown = [name for c in code if (name := shown_value(c)) and name.split(".")[-1].startswith("check_")]
+    assert not shown, f"assign the result of {shown} (`_ = check_...(...)`): Jupyter shows it as a bare True/False"
+    bools = [o for c in code for o in c.outputs
+             if o.output_type == "execute_result" and o.get("data", {}).get("text/plain") in ("True", "False")]
+    assert not bools, f"{len(bools)} cells record a bare True/False: run `helpers record` after the fix above"
+
+
 def test_terminal_text_keeps_the_last_redraw_of_each_line():
     assert terminal_text("\rbar 0%\rbar 50%\rbar 100%\nnext\n") == "bar 100%\nnext\n"
     assert terminal_text("a\r\nb") == "a\nb"  # a bare carriage return at the end erases nothing
