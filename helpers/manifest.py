@@ -147,7 +147,7 @@ def chapter3_solutions_memory(p, caps):  # dropout's samples: one forward over m
     return [("dropout samples", plan_memory(dropout_samples).peak_bytes)]
 
 
-def gpt_model_memory(p, caps):
+def activation_functions_memory(p, caps):
     train = GPTConfig(vocab_size=5170, dropout=0.0, **{k: p["TRAIN"][k] for k in (
         "context_length", "d_model", "n_heads", "n_layers")})
     activations = activation_cases(p["TOKENS"], p["ACT_D_MODEL"], torch.float32)
@@ -480,9 +480,13 @@ NOTEBOOKS = (
     Notebook(path="ch03_attention/solutions.ipynb", role="solutions", gpu_work=chapter3_solutions_memory,
              off_virtual_device="SDPA's CausalBias is a tensor subclass of its own",
              prose_constants={"half the memory": "one score matrix against two, counted on the meta device"}),
-    Notebook(path=GPT_MODEL, role="core", gpu_work=gpt_model_memory),
+    Notebook(path=GPT_MODEL, role="core",
+             gpu_work="the GPT it assembles runs its few forward passes and generations on the CPU",
+             prose_constants={"4 x": "GPT-2's feed-forward width: four times d_model"}),
     Notebook(path="ch04_flops/02_flops_analysis.ipynb", role="deep dive", extends=GPT_MODEL,
              gpu_work=flops_analysis_memory, prose_constants={"312 TFLOP/s": "NVIDIA's datasheet figure for the A100"}),
+    Notebook(path="ch04_flops/03_activation_functions.ipynb", role="deep dive", extends=GPT_MODEL,
+             gpu_work=activation_functions_memory),
     Notebook(path="ch04_flops/solutions.ipynb", role="solutions", gpu_work=chapter4_solutions_memory),
     Notebook(path=PRETRAINING, role="core", gpu_work=pretraining_memory, t4_time=training_run_time(pretraining_time),
              prose_constants=GPT2_INIT),

@@ -211,7 +211,7 @@ def test_a_lessons_title_says_where_it_stands_on_the_path_with_links_that_resolv
     assert path_line(ROOT / "ch04_flops/01_gpt_model.ipynb") == (
         "**Core path, 4 of 8.** After [3.1 Self-attention from scratch](../ch03_attention/01_self_attention.ipynb); "
         "next: [5.1 Pretraining the GPT](../ch05_training/01_pretraining.ipynb). Deep dives from here: "
-        "[4.2](02_flops_analysis.ipynb).")
+        "[4.2](02_flops_analysis.ipynb), [4.3](03_activation_functions.ipynb).")
     assert path_line(ROOT / "ch02_text/01_tokenization.ipynb").startswith("**Core path, 1 of 8.** Start here; next:")
     assert path_line(ROOT / "ch07_parallel/04_fsdp.ipynb") == (
         "**Deep dive**, extending the core path's [5.1 Pretraining the GPT](../ch05_training/01_pretraining.ipynb).")
