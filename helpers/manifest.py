@@ -240,11 +240,10 @@ def chapter5_solutions_memory(p, caps):  # each section's largest step beside th
 # Serving engines preallocate their whole paged cache, so a served run is planned as a generation with that many
 # cached positions, plus one layer's keys and values gathered per step.
 
-def kv_cache_memory(p, caps):
-    config, dtype = GPTConfig.from_preset(p["BATCH_PRESET"], dropout=0.0), getattr(torch, p["DTYPE"])
-    return [("largest batch", inference_plan(config, max(p["BATCHES"]), p["BATCH_PROMPT_LEN"], dtype=dtype,
-                                             cache_len=p["BATCH_PROMPT_LEN"] + p["BATCH_NEW_TOKENS"]).peak_bytes
-             + parameter_count(GPTConfig.from_preset(p["BENCH_PRESET"])) * dtype.itemsize)]
+def kv_cache_memory(p, caps):  # the timed generation without a cache: every step a forward over the whole sequence
+    config, dtype = GPTConfig.from_preset(p["BENCH_PRESET"], dropout=0.0), getattr(torch, p["DTYPE"])
+    return [("generation without a cache", inference_plan(config, 1, p["PROMPT_LEN"] + p["NEW_TOKENS"],
+                                                          dtype=dtype).peak_bytes)]
 
 
 def quantization_memory(p, caps):
