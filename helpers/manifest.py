@@ -169,6 +169,11 @@ def chapter4_solutions_memory(p, caps):
                                              autocast=autocast_dtype(caps)).peak_bytes)]
 
 
+def resume_and_reuse_memory(p, caps):  # section 1's run; section 2's models are smaller
+    return [("training step", training_step_plan(small_width(p, p["VOCAB"]), p["BATCH_SIZE"], p["CONTEXT"],
+                                                 autocast=autocast_dtype(caps)).peak_bytes)]
+
+
 def pretraining_memory(p, caps):  # the step by hand beside the Trainer's model (fp32)
     config = small_width(p, p["VOCAB"])
     return [("step by hand", training_step_plan(config, p["BATCH_SIZE"], p["CONTEXT"]).peak_bytes
@@ -506,6 +511,8 @@ NOTEBOOKS = (
              prose_constants={"124M parameters": "GPT-2 small's size"}),
     Notebook(path="ch05_training/08_activation_memory.ipynb", role="deep dive", extends=PRETRAINING,
              gpu_work=activation_memory_memory),
+    Notebook(path="ch05_training/09_resume_and_data_reuse.ipynb", role="deep dive", extends=PRETRAINING,
+             gpu_work=resume_and_reuse_memory),
     Notebook(path="ch05_training/solutions.ipynb", role="solutions", gpu_work=chapter5_solutions_memory,
              t4_time=chapter5_solutions_time),
     Notebook(path=KV_CACHE, role="core", gpu_work=kv_cache_memory),
