@@ -245,9 +245,11 @@ def chapter5_solutions_memory(p, caps):  # each section's largest step beside th
 # Serving engines preallocate their whole paged cache, so a served run is planned as a generation with that many
 # cached positions, plus one layer's keys and values gathered per step.
 
-def kv_cache_memory(p, caps):  # the timed generation without a cache: every step a forward over the whole sequence
+def kv_cache_memory(p, caps):  # 5.1's run, unless reused; the timed generation without a cache
     config, dtype = GPTConfig.from_preset(p["BENCH_PRESET"], dropout=0.0), getattr(torch, p["DTYPE"])
-    return [("generation without a cache", inference_plan(config, 1, p["PROMPT_LEN"] + p["NEW_TOKENS"],
+    return [("5.1's training", training_step_plan(small_width(p, p["VOCAB"]), p["BATCH_SIZE"], p["CONTEXT"],
+                                                  autocast=autocast_dtype(caps)).peak_bytes),
+            ("generation without a cache", inference_plan(config, 1, p["PROMPT_LEN"] + p["NEW_TOKENS"],
                                                           dtype=dtype).peak_bytes)]
 
 
@@ -515,7 +517,7 @@ NOTEBOOKS = (
              gpu_work=resume_and_reuse_memory),
     Notebook(path="ch05_training/solutions.ipynb", role="solutions", gpu_work=chapter5_solutions_memory,
              t4_time=chapter5_solutions_time),
-    Notebook(path=KV_CACHE, role="core", gpu_work=kv_cache_memory),
+    Notebook(path=KV_CACHE, role="core", gpu_work=kv_cache_memory, reuses_run_of=PRETRAINING),
     Notebook(path="ch06_inference/02_quantization.ipynb", role="deep dive", extends=KV_CACHE,
              gpu_work=quantization_memory),
     Notebook(path="ch06_inference/03_continuous_batching.ipynb", role="deep dive", extends=KV_CACHE,

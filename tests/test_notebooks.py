@@ -36,11 +36,12 @@ def test_there_are_notebooks():
     assert NOTEBOOKS, "no notebooks found under ch*/"
 
 
-# ch05/07 reuses the run ch05/01 finished (Trainer.fit_or_reuse; its manifest entry's `reuses_run_of`). Their smoke
-# runs share a cache of their own, on one worker, in this order, so a change that makes the two recipes differ fails
-# ch05/07's run.
-SHARED_RUN = next((n.reuses_run_of, n.path) for n in manifest.NOTEBOOKS if n.reuses_run_of)
-REUSED = "notebook 01's finished run, loaded from the course's cache"
+# ch05/07 and ch06/01 reuse the run ch05/01 finished (Trainer.fit_or_reuse; their manifest entries' `reuses_run_of`).
+# Their smoke runs share a cache of their own, on one worker, in the chapters' order, so a change that makes a
+# recipe differ from ch05/01's fails that notebook's run.
+REUSERS = [n.path for n in manifest.NOTEBOOKS if n.reuses_run_of]
+SHARED_RUN = (*dict.fromkeys(n.reuses_run_of for n in manifest.NOTEBOOKS if n.reuses_run_of), *REUSERS)
+REUSED = "finished run, loaded from the course's cache"
 
 
 @pytest.fixture(scope="session")
@@ -69,10 +70,10 @@ def test_notebook_runs_at_smoke_scale(path, tmp_path, monkeypatch, request):
     assert run.error is None, run.error[-4000:]
     if name == SHARED_RUN[0]:
         shared_run_cache["trained"] = True
-    elif name == SHARED_RUN[1] and shared_run_cache["trained"]:
+    elif name in REUSERS and shared_run_cache["trained"]:
         cells = nbformat.read(tmp_path / path.name, as_version=4).cells
         assert any(REUSED in o.get("text", "") for c in cells for o in c.get("outputs", [])), (
-            "ch05/07 trained again the run ch05/01 had finished: their recipes differ")
+            f"{name} trained again the run {SHARED_RUN[0]} had finished: their recipes differ")
 
 
 def test_a_notebook_that_leaves_a_tensor_on_the_cpu_fails_on_the_virtual_device(tmp_path):
