@@ -1303,6 +1303,50 @@ def fsdp_shard_gather():
     return fig
 
 
+def moe_routing():
+    """A router picks each token's top-2 of 4 experts, weighted by its probabilities; the slots then reach the
+    experts by a loop over experts or sorted by expert for one grouped matrix product."""
+    fig, ax = _canvas(11.0, 4.2, (0, 22.6), (0.7, 9.3))
+    experts = (BLUE, ORANGE, GREEN, PURPLE)
+    probs = ((0.41, 0.08, 0.29, 0.22), (0.12, 0.47, 0.10, 0.31), (0.36, 0.05, 0.15, 0.44), (0.09, 0.52, 0.12, 0.27))
+    chosen = [sorted(range(4), key=lambda e, p=p: -p[e])[:2] for p in probs]
+    ax.text(5.6, 8.9, "routing: softmax over E = 4 experts, keep the top k = 2", ha="center", fontsize=9)
+    _box(ax, 1.5, 2.1, 1.3, 5.4, "router\n(linear\nd → E)\nsoftmax", color="#E8E8E8", fontsize=8)
+    for e, color in enumerate(experts):
+        ax.text(3.75 + e * 0.9, 7.95, f"E{e}", ha="center", fontsize=8, color=color, fontweight="bold")
+    for t, (p, top) in enumerate(zip(probs, chosen, strict=True)):
+        y = 6.8 - t * 1.35
+        _box(ax, 0.2, y, 0.9, 0.7, f"t{t}", color="#F2F2F2", fontsize=8)
+        _arrow(ax, (1.1, y + 0.35), (1.5, y + 0.35))
+        _arrow(ax, (2.8, y + 0.35), (3.25, y + 0.35))
+        _cell_row(ax, 3.3, y, [f"{v:.2f}" for v in p],
+                  [experts[e] if e in top else "white" for e in range(4)], text_color="black", fontsize=7)
+        terms = " + ".join(f"{p[e]:.2f}·E{e}(t{t})" for e in top)
+        ax.text(7.1, y + 0.35, f"y{t} = {terms}", va="center", fontsize=8)
+    _caption(ax, 1.2, "a token runs through its k experts only: FLOPs of k, weights of E", x=5.6)
+    ax.plot([12.0, 12.0], [0.4, 9.0], color=GREY, lw=0.8)
+    slots = sorted((e, t) for t, top in enumerate(chosen) for e in top)
+    ax.text(17.3, 8.9, "dispatch: the same slots, two ways", ha="center", fontsize=9)
+    ax.text(12.5, 8.05, "loop over experts: each gathers its tokens, one matmul each", fontsize=8)
+    for e, color in enumerate(experts):
+        mine = [f"t{t}" for f, t in slots if f == e]
+        _box(ax, 12.5 + e * 2.5, 6.4, 2.2, 1.1, f"E{e}: " + ", ".join(mine), color=color, fontsize=8,
+             text_color="white")
+    ax.text(12.5, 5.2, "sorted: slots ordered by expert, one grouped matmul over the segments", fontsize=8)
+    _cell_row(ax, 12.9, 3.9, [f"t{t}" for _, t in slots], [experts[e] for e, _ in slots], w=1.1, h=0.8,
+              text_color="white")
+    start = 0
+    for e in range(4):
+        n = sum(f == e for f, _ in slots)
+        x0, x1 = 12.9 + start * 1.1, 12.9 + (start + n) * 1.1
+        ax.plot([x0 + 0.05, x0 + 0.05, x1 - 0.05, x1 - 0.05], [3.75, 3.6, 3.6, 3.75], color=experts[e], lw=1.2)
+        ax.text((x0 + x1) / 2, 3.2, f"E{e}", ha="center", va="center", fontsize=8, color=experts[e])
+        start += n
+    _caption(ax, 2.1, "segments of uneven length: the load the router gave each expert", x=17.3)
+    _caption(ax, 1.2, "then each output slot is scaled by its weight and added back to its token", x=17.3)
+    return fig
+
+
 FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "next_token_windows": next_token_windows,
     "training_loop": training_loop,
@@ -1342,6 +1386,7 @@ FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "tensor_parallel_qkv": tensor_parallel_qkv,
     "pipeline_bubble": pipeline_bubble,
     "fsdp_shard_gather": fsdp_shard_gather,
+    "moe_routing": moe_routing,
 }
 ATTACHMENT = re.compile(r"!\[[^\]]*\]\(attachment:([\w-]+)\.png\)")
 

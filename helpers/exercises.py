@@ -20,6 +20,7 @@ from .model.attention import CausalSelfAttention
 from .model.config import PRESETS, GPTConfig
 from .model.decoding import beam_search
 from .model.gpt import GPT
+from .model.moe import route
 from .model.rope import apply_rope
 from .text.bpe import BPETokenizer, gpt2_merges
 from .text.data import NextTokenDataset
@@ -483,3 +484,63 @@ def check_llama3_8b(config: GPTConfig | None) -> bool:
         return None
 
     return report("exercise 8.1.3, Llama-3-8B counted", attempt)
+
+
+def check_switch_loss(switch_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
+    """Chapter 8.3, exercise 1: `switch_loss(probs, experts)` is Switch's auxiliary loss E · Σ_e f_e · P_e (f_e the
+    share of the token slots that chose expert e, P_e expert e's mean probability), as
+    `helpers.model.moe.Routing.balance_loss` computes it, in float64, with gradient through P."""
+    generator = torch.Generator().manual_seed(0)
+
+    def attempt() -> str | None:
+        for tokens, n_experts, k, skew in ((64, 8, 2, 0.0), (50, 4, 1, 3.0), (40, 6, 3, 1.0)):
+            logits = torch.randn(tokens, n_experts, dtype=torch.float64, generator=generator)
+            logits[:, 0] += skew  # a router that prefers expert 0: the loss grows above its uniform value
+            logits.requires_grad_(True)
+            routing = route(logits, k, "softmax_topk")
+            truth = routing.balance_loss()
+            mine = switch_loss(routing.probs, routing.experts)
+            if not isinstance(mine, torch.Tensor) or mine.numel() != 1:
+                return f"it should return a tensor holding one number, got {mine!r}"
+            gap = abs(mine.double().item() - truth.item())
+            if gap > 1e-10:
+                return (f"{tokens} tokens, {n_experts} experts, k={k}: yours gives {mine.item():.6f}, the loss is "
+                        f"{truth.item():.6f}; f_e counts slots (tokens x k of them), P_e averages probabilities over "
+                        "the tokens, and the sum is multiplied by E")
+            if not mine.requires_grad:
+                return "the value is right but carries no gradient: the router learns through P_e"
+            (grad_truth,) = torch.autograd.grad(truth, logits, retain_graph=True)
+            (grad_mine,) = torch.autograd.grad(mine, logits)
+            if (grad_mine - grad_truth).abs().max().item() > 1e-10:
+                return ("the value is right but its gradient differs: only P_e carries one (f_e counts the choices, "
+                        "which have none)")
+        return None
+
+    return report("exercise 8.3.1, Switch's balance loss", attempt)
+
+
+def check_kept_slots(kept_slots: Callable[[torch.Tensor, int, float], torch.Tensor]) -> bool:
+    """Chapter 8.3, exercise 2: `kept_slots(experts, n_experts, capacity_factor)` marks the token slots an expert
+    keeps, at most ⌈capacity_factor · slots / n_experts⌉ each, in token order then choice order, as
+    `helpers.model.moe.route` does."""
+    generator = torch.Generator().manual_seed(0)
+
+    def attempt() -> str | None:
+        for tokens, n_experts, k, factor in ((64, 8, 2, 1.0), (30, 4, 1, 1.25), (48, 6, 3, 0.5), (20, 4, 2, 4.0)):
+            logits = torch.randn(tokens, n_experts, generator=generator)
+            logits[:, 0] += 1.5  # expert 0 is popular: it overflows
+            truth = route(logits, k, "softmax_topk", capacity_factor=factor)
+            mine = kept_slots(truth.experts, n_experts, factor)
+            if not isinstance(mine, torch.Tensor) or tuple(mine.shape) != tuple(truth.kept.shape):
+                shape = tuple(mine.shape) if isinstance(mine, torch.Tensor) else type(mine).__name__
+                return f"it should return a (tokens, k) = {tuple(truth.kept.shape)} mask, got {shape}"
+            if not torch.equal(mine.bool(), truth.kept):
+                capacity = math.ceil(factor * tokens * k / n_experts)
+                counts = f"yours keeps {int(mine.bool().sum())} slots, the rule keeps {int(truth.kept.sum())}"
+                if int(mine.bool().sum()) == int(truth.kept.sum()):
+                    counts = "yours keeps as many slots as the rule but not the same ones"
+                return (f"{tokens} tokens, {n_experts} experts, k={k}, factor {factor}: {counts} (capacity "
+                        f"{capacity} slots an expert, its first ones in token order)")
+        return None
+
+    return report("exercise 8.3.2, capacity", attempt)

@@ -347,6 +347,19 @@ def kv_memory_memory(p, caps):
              + 4 * parameter_count(mha))]
 
 
+def mixture_of_experts_memory(p, caps):
+    """ch08/03: its largest training step beside the eight trained models it keeps (weights only), and the dispatch
+    timing's three trainers. The MoE's own step cannot be replayed on the meta device (its routing decides the
+    shapes), so the plan takes the dense model of the MoE's total width for both: as many parameters, and more
+    feed-forward activations (E experts' width for every token, against k experts' and the gathered copies)."""
+    wide = llama_style(p["VOCAB"], p["CONTEXT"], p["D_MODEL"], p["N_HEADS"], p["N_LAYERS"], p["N_HEADS"],
+                       ffn_hidden=p["N_EXPERTS"] * p["EXPERT_HIDDEN"])
+    held = 8 * 4 * parameter_count(wide)  # the trained models, float32 weights
+    step = training_step_plan(wide, p["BATCH_SIZE"], p["CONTEXT"], autocast=autocast_dtype(caps)).peak_bytes
+    return [("the widest training step beside the trained models", step + held),
+            ("dispatch timing: three trainers", step + 2 * state_bytes(wide) + held)]
+
+
 # --- time on a T4, by estimate -----------------------------------------------------------------------------------
 
 ACCEPTANCE = 0.6  # ch06/04: the distilled draft's tokens kept, per token (the cpu scale measured 49-80%)
@@ -552,6 +565,8 @@ NOTEBOOKS = (
              prose_constants={"1.2 GB": "Qwen3-0.6B's bf16 checkpoint"}),
     Notebook(path="ch08_modern_llm/02_kv_memory.ipynb", role="deep dive", extends=MODERN_DECODER,
              gpu_work=kv_memory_memory),
+    Notebook(path="ch08_modern_llm/03_mixture_of_experts.ipynb", role="deep dive", extends=MODERN_DECODER,
+             gpu_work=mixture_of_experts_memory),
     Notebook(path="ch08_modern_llm/solutions.ipynb", role="solutions", gpu_work=modern_decoder_memory(trainers_held=1)),
 )
 ENTRIES = {notebook.path: notebook for notebook in NOTEBOOKS}  # path -> entry

@@ -161,6 +161,18 @@ def beam_search_by_mean(model, idx, max_new_tokens, beams):  # wrong: ranks by e
     return sequences[:1]
 
 
+def switch_loss(probs, experts):
+    n_experts = probs.size(-1)
+    share = torch.bincount(experts.flatten(), minlength=n_experts).to(probs.dtype) / experts.numel()
+    return n_experts * (share * probs.mean(0)).sum()
+
+
+def kept_slots(experts, n_experts, capacity_factor):
+    capacity = math.ceil(capacity_factor * experts.numel() / n_experts)
+    one_hot = torch.nn.functional.one_hot(experts.flatten(), n_experts)
+    return ((one_hot.cumsum(0) * one_hot).sum(-1) <= capacity).view_as(experts)
+
+
 def not_attempted(*args):
     raise NotImplementedError
 
@@ -189,6 +201,10 @@ CASES = [  # check, a reference answer, a wrong one, a phrase of the message the
     (exercises.check_cache_bytes, cache_bytes_per_token,
      lambda c, fmt: 2 * c.n_layers * c.d_model if fmt == "int8" else cache_bytes_per_token(c, fmt), "scales"),
     (exercises.check_llama3_8b, LLAMA3_8B, dataclasses.replace(LLAMA3_8B, ffn_hidden=None), "SwiGLU width"),
+    (exercises.check_switch_loss, switch_loss,  # a wrong one: f_e taken from the probabilities, not the choices
+     lambda probs, experts: probs.size(-1) * (probs.mean(0) * probs.mean(0)).sum(), "f_e counts slots"),
+    (exercises.check_kept_slots, kept_slots,  # a wrong one: the capacity counted in tokens, not token slots
+     lambda experts, n, factor: kept_slots(experts, n, factor / experts.size(1)), "the rule keeps"),
 ]
 
 
