@@ -161,6 +161,22 @@ def beam_search_by_mean(model, idx, max_new_tokens, beams):  # wrong: ranks by e
     return sequences[:1]
 
 
+def masked_targets(ids, answer_start):
+    ids = torch.tensor(ids)
+    targets = ids[1:].clone()
+    targets[: answer_start - 1] = -100
+    return ids[:-1], targets
+
+
+def lora_parameter_count(config, rank):
+    d = config.d_model  # qkv d -> 3d, out_proj d -> d, fc d -> 4d, proj 4d -> d
+    return config.n_layers * rank * ((d + 3 * d) + (d + d) + (d + 4 * d) + (4 * d + d))
+
+
+def lora_merge(weight, a, b, alpha):
+    return weight + alpha / a.size(0) * b @ a
+
+
 def not_attempted(*args):
     raise NotImplementedError
 
@@ -189,6 +205,10 @@ CASES = [  # check, a reference answer, a wrong one, a phrase of the message the
     (exercises.check_cache_bytes, cache_bytes_per_token,
      lambda c, fmt: 2 * c.n_layers * c.d_model if fmt == "int8" else cache_bytes_per_token(c, fmt), "scales"),
     (exercises.check_llama3_8b, LLAMA3_8B, dataclasses.replace(LLAMA3_8B, ffn_hidden=None), "SwiGLU width"),
+    (exercises.check_masked_targets, masked_targets, lambda ids, start: masked_targets(ids, start + 1), "not"),
+    (exercises.check_lora_parameter_count, lora_parameter_count,
+     lambda c, r: lora_parameter_count(c, r) * 3 // 4, "rank x (in + out)"),
+    (exercises.check_lora_merge, lora_merge, lambda w, a, b, alpha: w + alpha * b @ a, "(alpha / rank) B A"),
 ]
 
 
