@@ -567,7 +567,6 @@ NOTEBOOKS = (
     Notebook(path=INSTRUCTION_TUNING, role="deep dive", extends=PRETRAINING, gpu_work=instruction_tuning_memory,
              t4_time=instruction_tuning_time, reuses_run_of=PRETRAINING,
              prose_constants={"10%": "the chapter's target for LoRA r16's answer loss against full fine-tuning",
-                              "5%": "the chapter's target for LoRA r16's trainable parameters",
                               "16 bytes per parameter": "analytic: fp32 weight, gradient and two AdamW moments"}),
     Notebook(path="ch09_instruction_tuning/solutions.ipynb", role="solutions", gpu_work=instruction_tuning_memory,
              reuses_run_of=PRETRAINING),
