@@ -1344,6 +1344,48 @@ def moe_routing():
         start += n
     _caption(ax, 2.1, "segments of uneven length: the load the router gave each expert", x=17.3)
     _caption(ax, 1.2, "then each output slot is scaled by its weight and added back to its token", x=17.3)
+def masked_chat_loss():
+    """One chat exchange as a training row: the targets inside the prompt are ignored, the answer's are scored."""
+    fig, ax = _canvas(10.5, 3.4, (0, 21.5), (-0.3, 6.5))
+    tokens = ["<|user|>", "What", "does", "dedent", "do?", "<|end|>", "<|assistant|>", "Remove", "common",
+              "whitespace", "<|end|>"]
+    start = 7  # the answer's first token
+    w, gap = 1.75, 0.08
+    ax.text(0.1, 5.85, "inputs", fontsize=8, va="center")
+    ax.text(0.1, 1.15, "targets", fontsize=8, va="center")
+    for i, token in enumerate(tokens):
+        x = 1.4 + i * (w + gap)
+        marker = token.startswith("<|")
+        color = PURPLE if marker else ("#CFE0F3" if i < start else "#D5EBD9")
+        _box(ax, x, 5.4, w, 0.9, token, color=color, fontsize=6.5, text_color="white" if marker else "black")
+        if i == 0:
+            continue
+        scored = i >= start
+        _box(ax, x - w - gap, 0.7, w, 0.9, token if scored else "ignored", color=ORANGE if scored else "#E8E8E8",
+             fontsize=6.5, text_color="black" if scored else "#777777")
+        _arrow(ax, (x + w / 2, 5.35), (x - gap - w / 2, 1.65), color=ORANGE if scored else GREY)
+    ax.text(1.4 + 2.5 * (w + gap) + w / 2, 0.2, "the prompt: IGNORE_INDEX, no loss, no gradient", ha="center",
+            va="center", fontsize=8, color="#555555")
+    ax.text(1.4 + 7.5 * (w + gap) + w / 2, 0.2, "the answer and its <|end|>: the loss", ha="center", va="center",
+            fontsize=8, color=ORANGE)
+    return fig
+
+
+def lora_update():
+    """Full fine-tuning updates every number of W; LoRA keeps W frozen and adds (alpha / r) B A, B at zero at first."""
+    fig, ax = _canvas(10.5, 3.6, (0, 21), (0, 7.2))
+    _box(ax, 0.6, 1.4, 3.6, 3.6, "W\n(out × in)\ntrained", color="#CFE0F3", fontsize=9)
+    ax.text(4.45, 3.2, "+", fontsize=16, va="center")
+    _box(ax, 5.2, 1.4, 3.6, 3.6, "ΔW\n(out × in):\na gradient and\ntwo AdamW\nmoments for\nevery number",
+         color=ORANGE, fontsize=8)
+    ax.text(4.7, 6.3, "full fine-tuning", ha="center", fontsize=10)
+    _box(ax, 10.6, 1.4, 3.6, 3.6, "W\n(out × in)\nfrozen", color="#E8E8E8", fontsize=9)
+    ax.text(14.45, 3.2, "+ α/r ·", fontsize=12, va="center")
+    _box(ax, 16.4, 1.4, 0.9, 3.6, "B", color=GREEN, fontsize=9)
+    _box(ax, 17.6, 4.1, 3.2, 0.9, "A (r × in)", color=GREEN, fontsize=8)
+    ax.text(16.85, 1.1, "B: out × r,\nzero at first", ha="center", va="top", fontsize=7)
+    ax.text(19.2, 3.6, "A: random\nat first", ha="center", va="top", fontsize=7)
+    ax.text(15.7, 6.3, "LoRA: r · (in + out) numbers train", ha="center", fontsize=10)
     return fig
 
 
@@ -1387,6 +1429,8 @@ FIGURES: dict[str, Callable[[], plt.Figure]] = {
     "pipeline_bubble": pipeline_bubble,
     "fsdp_shard_gather": fsdp_shard_gather,
     "moe_routing": moe_routing,
+    "masked_chat_loss": masked_chat_loss,
+    "lora_update": lora_update,
 }
 ATTACHMENT = re.compile(r"!\[[^\]]*\]\(attachment:([\w-]+)\.png\)")
 

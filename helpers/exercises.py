@@ -21,10 +21,13 @@ from .model.config import PRESETS, GPTConfig
 from .model.decoding import beam_search
 from .model.gpt import GPT
 from .model.moe import route
+from .model.lm_head import IGNORE_INDEX
 from .model.rope import apply_rope
 from .text.bpe import BPETokenizer, gpt2_merges
+from .text.chat import ChatExample
 from .text.data import NextTokenDataset
 from .text.tokenizer import get_tokenizer
+from .training.lora import LoRALinear, add_lora, trainable_parameters
 
 
 def report(exercise: str, attempt: Callable[[], str | None]) -> bool:
@@ -544,3 +547,63 @@ def check_kept_slots(kept_slots: Callable[[torch.Tensor, int, float], torch.Tens
         return None
 
     return report("exercise 8.3.2, capacity", attempt)
+def check_masked_targets(masked_targets: Callable[[list[int], int], tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Chapter 9.1, exercise 1: `masked_targets(ids, answer_start)` gives an exchange's next-token inputs and
+    targets, the targets IGNORE_INDEX wherever the next token is the prompt's, as `ChatExample.inputs_and_targets`
+    does."""
+    exchanges = [ChatExample([7, 3, 9, 4, 1, 5, 2], 4), ChatExample([1, 2, 3], 1), ChatExample([6, 8, 5, 3, 2], 4)]
+
+    def attempt() -> str | None:
+        for exchange in exchanges:
+            truth = exchange.inputs_and_targets()
+            mine = masked_targets(list(exchange.ids), exchange.answer_start)
+            for what, m, t in zip(("inputs", "targets"), mine, truth, strict=True):
+                m = torch.as_tensor(m)
+                if m.tolist() != t.tolist():
+                    return (f"ids {exchange.ids}, answer from {exchange.answer_start}: your {what} are {m.tolist()}, "
+                            f"not {t.tolist()} (targets are ids[1:], IGNORE_INDEX = {IGNORE_INDEX} where the next "
+                            "token is still the prompt's)")
+        return None
+
+    return report("exercise 9.1.1, the mask", attempt)
+
+
+def check_lora_parameter_count(lora_parameter_count: Callable[[GPTConfig, int], int]) -> bool:
+    """Chapter 9.1, exercise 2: `lora_parameter_count(config, rank)` is what `add_lora` trains on GPT(config) when
+    it adapts every block's four Linear layers, without token rows (GPT-2's sizes, ranks 1 to 64)."""
+    def attempt() -> str | None:
+        for name in ("gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl"):
+            for rank in (1, 8, 64):
+                with torch.device("meta"):
+                    truth = trainable_parameters(add_lora(GPT(PRESETS[name]), rank))
+                mine = lora_parameter_count(PRESETS[name], rank)
+                if mine != truth:
+                    return (f"{name} at rank {rank}: yours is {mine:,}, LoRA trains {truth:,} "
+                            "(rank x (in + out) per adapted layer, four layers per block)")
+        return None
+
+    return report("exercise 9.1.2, LoRA's parameters", attempt)
+
+
+def check_lora_merge(merge: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]) -> bool:
+    """Chapter 9.1, exercise 3: `merge(weight, a, b, alpha)` is the plain weight of a LoRA layer, as
+    `LoRALinear.merged` folds it: W + (alpha / rank) B A."""
+    generator = torch.Generator().manual_seed(0)
+
+    def attempt() -> str | None:
+        for rank, alpha in ((1, 1.0), (4, 8.0), (8, 32.0)):
+            layer = LoRALinear(torch.nn.Linear(12, 6, dtype=torch.float64), rank, alpha)
+            with torch.no_grad():
+                layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=generator, dtype=torch.float64))
+            truth = layer.merged().weight.detach()
+            mine = merge(layer.base.weight.detach().clone(), layer.lora_a.detach().clone(),
+                         layer.lora_b.detach().clone(), alpha)
+            if tuple(mine.shape) != tuple(truth.shape):
+                return f"rank {rank}: the merged weight has shape {tuple(mine.shape)}, not {tuple(truth.shape)}"
+            gap = (mine - truth).abs().max().item()
+            if gap > 1e-12:
+                return (f"rank {rank}, alpha {alpha:g}: off by up to {gap:.1e}; the update is (alpha / rank) B A, "
+                        "B (out x rank) times A (rank x in)")
+        return None
+
+    return report("exercise 9.1.3, merging", attempt)

@@ -360,6 +360,13 @@ def mixture_of_experts_memory(p, caps):
             ("dispatch timing: three trainers", step + 2 * state_bytes(wide) + held)]
 
 
+def instruction_tuning_memory(p, caps):  # fp32 fine-tuning beside the pretrained model and its copy with markers
+    chat = small_width(p, p["VOCAB"] + 3)
+    return [("pretraining", training_step_plan(small_width(p, p["VOCAB"]), p["BATCH_SIZE"], p["CONTEXT"],
+                                               autocast=autocast_dtype(caps)).peak_bytes),
+            ("full fine-tuning, fp32", training_step_plan(chat, p["FT_BATCH"], p["CONTEXT"]).peak_bytes
+             + 8 * parameter_count(chat))]
+
 # --- time on a T4, by estimate -----------------------------------------------------------------------------------
 
 ACCEPTANCE = 0.6  # ch06/04: the distilled draft's tokens kept, per token (the cpu scale measured 49-80%)
@@ -469,6 +476,20 @@ def chapter6_solutions_time(p, low, recorded_s):
     }, NOTEBOOK_MINUTES)
 
 
+
+def instruction_tuning_time(p, low, recorded_s):
+    """ch09/01 at the gpu scale: every method fine-tuned in fp32 per seed (LoRA's steps counted as full ones), then
+    each answers the held-out questions; the pretrained run is notebook 5.1's, reused from the cache."""
+    chat = small_width(p, p["VOCAB"] + 3)
+    runs = (2 + len(p["RANKS"])) * len(p["SEEDS"])
+    return TimeEstimate({
+        "fine-tuning, every method and seed": runs * training_seconds(chat, p["FT_STEPS"],
+                                                                      p["FT_BATCH"] * p["CONTEXT"], None),
+        "answers, 16 questions a batch, a pass per token": (runs + 1) * -(-p["QUESTIONS"] // 16) * p["NEW_TOKENS"]
+        * pass_seconds(chat, 16),
+        "host: the instruction set, tokenizer, plans of GPT-2's sizes": 60,
+    }, NOTEBOOK_MINUTES)
+
 # --- the table -----------------------------------------------------------------------------------------------------
 
 TORCHRUN_ON_CPU = "torchrun workers on the CPU with gloo: two processes, one GPU"
@@ -477,6 +498,7 @@ GPT_MODEL = "ch04_flops/01_gpt_model.ipynb"
 PRETRAINING = "ch05_training/01_pretraining.ipynb"
 KV_CACHE = "ch06_inference/01_kv_cache.ipynb"
 MODERN_DECODER = "ch08_modern_llm/01_from_gpt2_to_llama.ipynb"
+INSTRUCTION_TUNING = "ch09_instruction_tuning/01_instruction_tuning.ipynb"
 GPT2_INIT = MappingProxyType({"0.02": "GPT-2's initialisation"})
 COMPILE_UNDER_A_MODE = "torch.compile ({}) does not trace under a mode"
 
@@ -568,6 +590,12 @@ NOTEBOOKS = (
     Notebook(path="ch08_modern_llm/03_mixture_of_experts.ipynb", role="deep dive", extends=MODERN_DECODER,
              gpu_work=mixture_of_experts_memory),
     Notebook(path="ch08_modern_llm/solutions.ipynb", role="solutions", gpu_work=modern_decoder_memory(trainers_held=1)),
+    Notebook(path=INSTRUCTION_TUNING, role="deep dive", extends=PRETRAINING, gpu_work=instruction_tuning_memory,
+             t4_time=instruction_tuning_time, reuses_run_of=PRETRAINING,
+             prose_constants={"10%": "the chapter's target for LoRA r16's answer loss against full fine-tuning",
+                              "16 bytes per parameter": "analytic: fp32 weight, gradient and two AdamW moments"}),
+    Notebook(path="ch09_instruction_tuning/solutions.ipynb", role="solutions", gpu_work=instruction_tuning_memory,
+             reuses_run_of=PRETRAINING),
 )
 ENTRIES = {notebook.path: notebook for notebook in NOTEBOOKS}  # path -> entry
 # The core path: the lessons a learner walks in this order, from text to a modern decoder (tokens, attention, the

@@ -171,6 +171,20 @@ def kept_slots(experts, n_experts, capacity_factor):
     capacity = math.ceil(capacity_factor * experts.numel() / n_experts)
     one_hot = torch.nn.functional.one_hot(experts.flatten(), n_experts)
     return ((one_hot.cumsum(0) * one_hot).sum(-1) <= capacity).view_as(experts)
+def masked_targets(ids, answer_start):
+    ids = torch.tensor(ids)
+    targets = ids[1:].clone()
+    targets[: answer_start - 1] = -100
+    return ids[:-1], targets
+
+
+def lora_parameter_count(config, rank):
+    d = config.d_model  # qkv d -> 3d, out_proj d -> d, fc d -> 4d, proj 4d -> d
+    return config.n_layers * rank * ((d + 3 * d) + (d + d) + (d + 4 * d) + (4 * d + d))
+
+
+def lora_merge(weight, a, b, alpha):
+    return weight + alpha / a.size(0) * b @ a
 
 
 def not_attempted(*args):
@@ -205,6 +219,10 @@ CASES = [  # check, a reference answer, a wrong one, a phrase of the message the
      lambda probs, experts: probs.size(-1) * (probs.mean(0) * probs.mean(0)).sum(), "f_e counts slots"),
     (exercises.check_kept_slots, kept_slots,  # a wrong one: the capacity counted in tokens, not token slots
      lambda experts, n, factor: kept_slots(experts, n, factor / experts.size(1)), "the rule keeps"),
+    (exercises.check_masked_targets, masked_targets, lambda ids, start: masked_targets(ids, start + 1), "not"),
+    (exercises.check_lora_parameter_count, lora_parameter_count,
+     lambda c, r: lora_parameter_count(c, r) * 3 // 4, "rank x (in + out)"),
+    (exercises.check_lora_merge, lora_merge, lambda w, a, b, alpha: w + alpha * b @ a, "(alpha / rank) B A"),
 ]
 
 
