@@ -498,7 +498,7 @@ GPT_MODEL = "ch04_flops/01_gpt_model.ipynb"
 PRETRAINING = "ch05_training/01_pretraining.ipynb"
 KV_CACHE = "ch06_inference/01_kv_cache.ipynb"
 MODERN_DECODER = "ch08_modern_llm/01_from_gpt2_to_llama.ipynb"
-INSTRUCTION_TUNING = "ch09_instruction_tuning/01_instruction_tuning.ipynb"
+INSTRUCTION_TUNING = "ch09_finetuning/01_instruction_tuning.ipynb"
 GPT2_INIT = MappingProxyType({"0.02": "GPT-2's initialisation"})
 COMPILE_UNDER_A_MODE = "torch.compile ({}) does not trace under a mode"
 
@@ -594,7 +594,7 @@ NOTEBOOKS = (
              t4_time=instruction_tuning_time, reuses_run_of=PRETRAINING,
              prose_constants={"10%": "the chapter's target for LoRA r16's answer loss against full fine-tuning",
                               "16 bytes per parameter": "analytic: fp32 weight, gradient and two AdamW moments"}),
-    Notebook(path="ch09_instruction_tuning/solutions.ipynb", role="solutions", gpu_work=instruction_tuning_memory,
+    Notebook(path="ch09_finetuning/solutions.ipynb", role="solutions", gpu_work=instruction_tuning_memory,
              reuses_run_of=PRETRAINING),
 )
 ENTRIES = {notebook.path: notebook for notebook in NOTEBOOKS}  # path -> entry
