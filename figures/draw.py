@@ -1344,6 +1344,9 @@ def moe_routing():
         start += n
     _caption(ax, 2.1, "segments of uneven length: the load the router gave each expert", x=17.3)
     _caption(ax, 1.2, "then each output slot is scaled by its weight and added back to its token", x=17.3)
+    return fig
+
+
 def masked_chat_loss():
     """One chat exchange as a training row: the targets inside the prompt are ignored, the answer's are scored."""
     fig, ax = _canvas(10.5, 3.4, (0, 21.5), (-0.3, 6.5))

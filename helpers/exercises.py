@@ -20,8 +20,8 @@ from .model.attention import CausalSelfAttention
 from .model.config import PRESETS, GPTConfig
 from .model.decoding import beam_search
 from .model.gpt import GPT
-from .model.moe import route
 from .model.lm_head import IGNORE_INDEX
+from .model.moe import route
 from .model.rope import apply_rope
 from .text.bpe import BPETokenizer, gpt2_merges
 from .text.chat import ChatExample
