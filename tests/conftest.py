@@ -93,10 +93,15 @@ FUNCTION_MARKERS = {
     "test_chapter_scripts_name_the_model_as_the_command_line_does": ("versionless",),
     "test_help_imports_no_benchmark_library": ("versions",),  # what torch and its plugins import at start-up
     "test_commands_print_no_warnings_of_the_libraries_they_use": ("versions",),  # their deprecations
+    # the instruction set is read in a child interpreter (helpers.text.instructions.stdlib_instructions)
+    "test_the_instruction_set_is_the_same_each_time_and_split_by_module": ("subprocess",),
+    "test_dedent_is_asked_about_with_its_own_docstring": ("subprocess",),
+    "test_a_program_that_patches_the_standard_library_gets_the_same_questions": ("subprocess",),
 }
 # fixture -> markers for every test that uses it, directly or through another fixture
 FIXTURE_MARKERS = {"torchrun": ("distributed",), "python_process": ("subprocess",),
-                   "server": ("subprocess",)}  # test_server's: `python -m helpers serve` in a child process
+                   "server": ("subprocess",),  # test_server's: `python -m helpers serve` in a child process
+                   "chat_data": ("subprocess",)}  # test_finetune's: the instruction set, read in a child process
 IMPLIES = {"compile": ("versions",), "distributed": ("versions",)}
 
 

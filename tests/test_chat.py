@@ -6,6 +6,7 @@ and the standard-library questions deterministic and split by module."""
 import dataclasses
 import json
 import re
+import sys
 
 import pytest
 import tiktoken
@@ -136,6 +137,19 @@ def test_the_instruction_set_is_the_same_each_time_and_split_by_module():
     assert {e.kind for e in examples} == {"what", "signature", "example"}
     assert not {e.module for e in examples} & EXCLUDED
     assert split_of("textwrap") == split_of("textwrap") and sum(len(p) for p in splits.values()) == len(examples)
+
+
+def test_a_program_that_patches_the_standard_library_gets_the_same_questions(monkeypatch):
+    """A Jupyter kernel replaces builtins.input and sys.displayhook; in that process they were no longer the
+    standard library's, and a notebook read fewer questions than a script did."""
+    import builtins
+
+    examples = stdlib_instructions()
+    stdlib_instructions.cache_clear()
+    monkeypatch.setattr(builtins, "input", lambda prompt="": "")
+    monkeypatch.setattr(sys, "displayhook", lambda value: None)
+    assert stdlib_instructions() == examples
+    assert any(e.module == "builtins" and e.name == "input" for e in examples)
 
 
 def test_dedent_is_asked_about_with_its_own_docstring():

@@ -15,14 +15,19 @@ platform other importable modules (`winreg` on Windows only).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib
 import inspect
+import json
 import re
+import subprocess
 import sys
+import tempfile
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 # Modules whose import does something (opens a browser, prints, changes the terminal), that are tests or tools, or
 # that are deprecated and removed in later Pythons (PEP 594, distutils, imp, lib2to3, the sre_* aliases).
@@ -37,6 +42,7 @@ SPLITS = {"test": 0.1, "validation": 0.1}  # of the modules; the rest is train
 # First lines Python writes for slots and the object protocol: they describe no function of the module.
 GENERATED = re.compile(r"(Initialize self|Create and return a new object|Return repr\(self\)|Implement |"
                        r"Return str\(self\)|Return hash\(self\)|Helper for pickle|Return self)")
+ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # an object's default repr, e.g. <object object at 0x7f...>
 SIGNATURE_ONLY = re.compile(r"^[\w.]+\(.*\)(\s*->\s*.*)?$")
 MAX_ANSWER_CHARS = 600  # longer answers are left out: a few hundred tokens, past a small model's context
 
@@ -110,6 +116,8 @@ def questions_about(module: str, name: str, obj: object) -> list[Instruction]:
         signature = str(inspect.signature(obj))
     except (TypeError, ValueError):  # many builtins and some classes have none
         signature = None
+    if signature is not None and ADDRESS.search(signature):  # a default shown by its address: another each run
+        signature = None
     if signature not in (None, "()"):  # no parameters: nothing to ask
         asked.append(Instruction(module, name, "signature", f"What is the signature of `{qualified}`?",
                                  f"`{qualified}{signature}`"))
@@ -119,8 +127,7 @@ def questions_about(module: str, name: str, obj: object) -> list[Instruction]:
     return [example for example in asked if len(example.answer) <= MAX_ANSWER_CHARS]
 
 
-@functools.cache
-def stdlib_instructions() -> tuple[Instruction, ...]:
+def collect_instructions() -> list[Instruction]:
     """Every question about the standard library this interpreter has, in module and name order, deduplicated."""
     examples, seen = [], set()
     for module_name in sorted(n for n in sys.stdlib_module_names if not n.startswith("_") and n not in EXCLUDED):
@@ -136,7 +143,21 @@ def stdlib_instructions() -> tuple[Instruction, ...]:
                     continue  # an alias of a function asked about already
                 seen |= {example.question, (example.kind, example.answer)}
                 examples.append(example)
-    return tuple(examples)
+    return examples
+
+
+@functools.cache
+def stdlib_instructions() -> tuple[Instruction, ...]:
+    """`collect_instructions()` as a fresh, isolated interpreter sees the standard library: a running program
+    changes what some modules hold (a Jupyter kernel replaces `builtins.input` and `sys.displayhook`), and importing
+    every module has side effects a learner's process should not get."""
+    with tempfile.TemporaryDirectory() as tmp:
+        found = Path(tmp) / "instructions.json"
+        child = subprocess.run([sys.executable, "-I", __file__, str(found)], capture_output=True, text=True,
+                               timeout=600)
+        if child.returncode:
+            raise RuntimeError(f"reading the standard library's docstrings failed: {child.stderr.strip()[-2000:]}")
+        return tuple(Instruction(**example) for example in json.loads(found.read_text()))
 
 
 def instruction_splits() -> dict[str, list[Instruction]]:
@@ -145,3 +166,7 @@ def instruction_splits() -> dict[str, list[Instruction]]:
     for example in stdlib_instructions():
         splits[split_of(example.module)].append(example)
     return splits
+
+
+if __name__ == "__main__":  # the child of stdlib_instructions: write the questions to the file it names
+    Path(sys.argv[1]).write_text(json.dumps([dataclasses.asdict(e) for e in collect_instructions()]))
