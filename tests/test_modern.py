@@ -261,11 +261,11 @@ def test_tensor_parallelism_refuses_gqa():
 # ---- Llama and Qwen3 weights against transformers ----
 
 
-def hf_model(kind: str):
+def hf_model(kind: str, tie: bool = False):
     transformers = pytest.importorskip("transformers")
     common = dict(vocab_size=101, hidden_size=48, intermediate_size=100, num_hidden_layers=2, num_attention_heads=6,
                   num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=500.0,
-                  tie_word_embeddings=False)
+                  tie_word_embeddings=tie)
     if kind == "llama":
         config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     else:
@@ -277,6 +277,18 @@ def hf_model(kind: str):
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     return model
+
+
+def test_a_tied_checkpoint_loads_with_one_matrix_for_embedding_and_head(tmp_path):
+    """Small Qwen3 models tie the head (no lm_head.weight in the file); the loader assigned the embedding and
+    then found the head still unfilled."""
+    theirs = hf_model("qwen3", tie=True)
+    theirs.save_pretrained(tmp_path)
+    ours = load_hf_llama(tmp_path)
+    assert ours.config.tie_weights and ours.lm_head.weight is ours.tok_emb.weight
+    idx = torch.randint(0, 101, (2, 23))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), theirs(idx).logits, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -195,6 +195,7 @@ def load_hf_llama(path: str | os.PathLike, *, device: str | torch.device = "cpu"
                                "files come from different models")
         tensor = tensor.reshape(shape).to(device=device, dtype=dtype or tensor.dtype).contiguous()
         model.load_state_dict({ours: tensor}, strict=False, assign=True)
+    tie_weights(model)  # the head shares the embedding loaded above (assign=True gave the embedding a new tensor)
     unfilled = [name for name, parameter in model.named_parameters() if parameter.is_meta]
     if unfilled:
         raise WeightsError(f"no tensor of the layout fills {unfilled[0]}: its feed-forward type's hf_weights must "
@@ -204,7 +205,7 @@ def load_hf_llama(path: str | os.PathLike, *, device: str | torch.device = "cpu"
             owner, _, attribute = name.rpartition(".")
             kind = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
             setattr(model.get_submodule(owner), attribute, torch.zeros(buffer.shape, device=device, dtype=kind))
-    return tie_weights(model).eval()
+    return model.eval()
 
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
