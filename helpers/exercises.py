@@ -547,6 +547,8 @@ def check_kept_slots(kept_slots: Callable[[torch.Tensor, int, float], torch.Tens
         return None
 
     return report("exercise 8.3.2, capacity", attempt)
+
+
 def check_masked_targets(masked_targets: Callable[[list[int], int], tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Chapter 9.1, exercise 1: `masked_targets(ids, answer_start)` gives an exchange's next-token inputs and
     targets, the targets IGNORE_INDEX wherever the next token is the prompt's, as `ChatExample.inputs_and_targets`

@@ -367,6 +367,7 @@ def instruction_tuning_memory(p, caps):  # fp32 fine-tuning beside the pretraine
             ("full fine-tuning, fp32", training_step_plan(chat, p["FT_BATCH"], p["CONTEXT"]).peak_bytes
              + 8 * parameter_count(chat))]
 
+
 # --- time on a T4, by estimate -----------------------------------------------------------------------------------
 
 ACCEPTANCE = 0.6  # ch06/04: the distilled draft's tokens kept, per token (the cpu scale measured 49-80%)
@@ -476,7 +477,6 @@ def chapter6_solutions_time(p, low, recorded_s):
     }, NOTEBOOK_MINUTES)
 
 
-
 def instruction_tuning_time(p, low, recorded_s):
     """ch09/01 at the gpu scale: every method fine-tuned in fp32 per seed (LoRA's steps counted as full ones), then
     each answers the held-out questions; the pretrained run is notebook 5.1's, reused from the cache."""
@@ -489,6 +489,7 @@ def instruction_tuning_time(p, low, recorded_s):
         * pass_seconds(chat, 16),
         "host: the instruction set, tokenizer, plans of GPT-2's sizes": 60,
     }, NOTEBOOK_MINUTES)
+
 
 # --- the table -----------------------------------------------------------------------------------------------------
 
