@@ -8,6 +8,7 @@ others start `python -m helpers serve` on a free loopback port, one server per m
 import asyncio
 import json
 import math
+import os
 import re
 import signal
 import socket
@@ -29,6 +30,7 @@ from helpers.model.decoding import GREEDY, Sampling
 from helpers.serving.api import create_app
 from helpers.serving.checkpoint import PLAIN_CHAT_TEMPLATE, export_for_serving, load_for_serving
 from helpers.serving.engine_loop import EngineLoop, EngineStopped, QueueFull, Update
+from helpers.serving.metrics import scrape
 from helpers.serving.server import LOOPBACK, start_server
 from helpers.serving.text_stream import TextStream
 from helpers.text.bpe import train_bpe
@@ -406,10 +408,9 @@ def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving(se
 
 
 def metric(server, name):
-    text = httpx.get(server.url + "/metrics", timeout=30).text
-    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
-    assert len(values) == 1, f"{name} not in /metrics"
-    return values[0]
+    samples = scrape(server.url)
+    assert name in samples, f"{name} not in /metrics"
+    return samples[name]
 
 
 def wait_for(condition, timeout, what):
@@ -562,6 +563,31 @@ def test_a_load_test_counts_every_token_and_no_error(server, served64):
         assert row["output_tokens"] == expected  # the usage each stream reports, summed
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and row["tokens_per_s"] > 0
     assert "TTFT p50" in format_table(rows)
+
+
+@pytest.mark.timeout(120)
+def test_the_load_generator_runs_where_an_event_loop_already_runs(server):
+    """As in a Jupyter kernel, whose event loop runs in the thread that calls it."""
+    requests = workload(4, seed=2, prompt_words=(2, 6), max_tokens=(4, 8))
+
+    async def inside_a_loop():
+        return load_test(server.url, [2], requests, max_seconds=60, model="tiny")
+
+    (row,) = asyncio.run(inside_a_loop())
+    assert (row["requests"], row["errors"]) == (4, 0), row["first_error"]
+
+
+@pytest.mark.timeout(120)
+def test_a_server_left_running_is_stopped_when_its_interpreter_exits(folder, python_process):
+    script = (f"from helpers.serving.server import start_server\nserver = start_server({str(folder)!r})\n"
+              "print(server.process.pid, server.url, flush=True)\n")
+    result = python_process("-c", script, timeout=100)
+    assert result.returncode == 0, result.stderr
+    pid, url = result.stdout.split()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health", timeout=5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)
 
 
 @pytest.mark.subprocess

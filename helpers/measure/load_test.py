@@ -23,7 +23,8 @@ import random
 import sys
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..inference.serving import percentiles_of
@@ -153,12 +154,24 @@ def first_model(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
+def run_to_completion(coroutine: Coroutine):
+    """asyncio.run(coroutine), also where an event loop already runs in this thread (a Jupyter kernel's): there it
+    runs in a thread of its own, so a notebook calls the load generator as a script does."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        return thread.submit(asyncio.run, coroutine).result()
+
+
 def load_test(url: str, concurrencies: list[int], requests: list[LoadRequest], max_seconds: float,
               model: str | None = None) -> list[dict]:
     """One summary per concurrency, each level on the same requests."""
     url = check_loopback(url)
     model = model or first_model(url)
-    return [summarize(*asyncio.run(run_level(url, model, requests, c, max_seconds)), c) for c in concurrencies]
+    return [summarize(*run_to_completion(run_level(url, model, requests, c, max_seconds)), c)
+            for c in concurrencies]
 
 
 def format_table(rows: list[dict]) -> str:

@@ -4,6 +4,7 @@ server's own (so two servers in one process, as in tests, never share counters).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from .engine_loop import EngineLoop
 
@@ -39,3 +40,16 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of the server at `url`'s /metrics, read by Prometheus's own parser, named as the text writes
+    it: `course_kv_blocks_used`, `course_requests_total{endpoint="/v1/completions",status="200"}`."""
+    import httpx
+
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            labels = ",".join(f'{key}="{value}"' for key, value in sample.labels.items())
+            samples[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return samples

@@ -9,6 +9,7 @@ freed), stops the engine loop, releases the port and exits 0.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import socket
@@ -104,10 +105,12 @@ class ServerProcess:
     """A server in a child process (in a session of its own, with any processes it starts): `url` once it answers
     /health; `stop()` ends them (SIGTERM, then SIGKILL after `timeout`); `pause()` and `resume()` freeze and thaw
     them, so a server waiting its turn in a benchmark takes no CPU. A context manager, so a notebook or a test never
-    leaves a server behind."""
+    leaves a server behind; one still running when this interpreter exits (a notebook's kernel shut down) is
+    stopped then."""
 
     def __init__(self, process: subprocess.Popen, url: str) -> None:
         self.process, self.url = process, url
+        atexit.register(self.stop)
 
     def _signal(self, sig: int) -> None:
         try:
@@ -123,6 +126,7 @@ class ServerProcess:
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait for the exit; returns its exit code (SIGKILL if it has not exited within `timeout`)."""
+        atexit.unregister(self.stop)
         if self.process.poll() is None:
             self.resume()
             self._signal(signal.SIGTERM)
