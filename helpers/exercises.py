@@ -9,7 +9,9 @@ still runs from top to bottom. Each check returns True when the attempt is right
 from __future__ import annotations
 
 import codecs
+import json
 import math
+import random
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -23,6 +25,7 @@ from .model.gpt import GPT
 from .model.lm_head import IGNORE_INDEX
 from .model.moe import route
 from .model.rope import apply_rope
+from .serving.text_stream import TextStream
 from .text.bpe import BPETokenizer, gpt2_merges
 from .text.chat import ChatExample
 from .text.data import NextTokenDataset
@@ -609,3 +612,76 @@ def check_lora_merge(merge: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, 
         return None
 
     return report("exercise 9.1.3, merging", attempt)
+
+
+def check_stop_strings(send_after_each: Callable[[list[str], list[str]], list[str]]) -> bool:
+    """Chapter 6.8, exercise 1: `send_after_each(pieces, stops)` gives, for each decoded piece in turn and then once
+    at the end, the text a server may send then: all of it but a tail that could begin a stop string, and nothing
+    from the first stop string on, as `helpers.serving.text_stream.TextStream` sends it."""
+    rng = random.Random(0)
+    cases = [(["Hello", " wor", "ld", "\nUs", "er:", " more"], ["\nUser:"]),
+             (["a", "b", "c", "d"], ["bc"]),
+             (["The ", "end", " is ", "E", "N", "D", " here"], ["END", "here"]),
+             (["xx", "x-", "-y", "yy"], ["--", "x--y"]),
+             (["no stop ", "in this ", "text"], ["STOP"])]
+    alphabet = ["a", "b", "ab", "ba", "c", "abc", " "]
+    cases += [([rng.choice(alphabet) for _ in range(12)], ["abab", "cb"]) for _ in range(20)]
+
+    def attempt() -> str | None:
+        for pieces, stops in cases:
+            stream = TextStream(lambda i, pieces=pieces: pieces[i].encode(), stops)
+            truth = [stream.push(i) for i in range(len(pieces))] + [stream.finish()]
+            mine = send_after_each(list(pieces), list(stops))
+            if not isinstance(mine, list) or len(mine) != len(truth):
+                return (f"return a list of {len(truth)} strings: one after each of the {len(pieces)} pieces, one at "
+                        "the end")
+            for k, (sent, right) in enumerate(zip(mine, truth, strict=True)):
+                if sent != right:
+                    when = f"after piece {k} ({pieces[k]!r})" if k < len(pieces) else "at the end"
+                    return (f"pieces {pieces!r}, stops {stops!r}: {when} yours sends {sent!r}, the server sends "
+                            f"{right!r}; hold back only a tail that could begin a stop string")
+        return None
+
+    return report("exercise 6.8.1, stop strings across tokens", attempt)
+
+
+def completion_stream(pieces: list[str], finish_reason: str, usage: bool) -> list[str]:
+    """The lines of a streamed /v1/completions response in OpenAI's format, with what a server may add between
+    events: blank lines, a comment (a keep-alive), a last chunk with no text, and the usage in a chunk of its own."""
+    def event(choices, **extra):
+        return "data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": choices,
+                                      **extra})
+
+    lines = [": keep-alive", ""]
+    for piece in pieces:
+        lines += [event([{"index": 0, "text": piece, "finish_reason": None}]), ""]
+    lines += [event([{"index": 0, "text": "", "finish_reason": finish_reason}]), ""]
+    if usage:
+        lines += [event([], usage={"prompt_tokens": 5, "completion_tokens": len(pieces), "total_tokens": 5 + len(
+            pieces)}), ""]
+    return lines + ["data: [DONE]", ""]
+
+
+def check_stream_reader(read_stream: Callable[[list[str]], tuple[str, str | None, int | None]]) -> bool:
+    """Chapter 6.8, exercise 2: `read_stream(lines)` reads the lines of a streamed completion and returns its text,
+    its finish_reason and the completion tokens its usage chunk reports (None without one)."""
+    cases = [(["Hello", ",", " world"], "length", True), (["data: is text", "\n\n", "é", "日本"], "stop", True),
+             (["one"], "stop", False), ([], "length", True)]
+
+    def attempt() -> str | None:
+        for pieces, finish, usage in cases:
+            truth = ("".join(pieces), finish, len(pieces) if usage else None)
+            mine = read_stream(completion_stream(pieces, finish, usage))
+            if not isinstance(mine, tuple) or len(mine) != 3:
+                return "return a tuple (text, finish_reason, completion_tokens)"
+            for name, got, right in zip(("text", "finish_reason", "completion_tokens"), mine, truth, strict=True):
+                if got != right:
+                    hint = {"text": "join the text of every chunk's first choice; a data line's JSON may hold "
+                                    "'data: ' and newlines of its own",
+                            "finish_reason": "the last chunk with a choice says why the text ended",
+                            "completion_tokens": "the usage comes in a chunk of its own, with no choices, after "
+                                                 "the last text; None if the stream has none"}[name]
+                    return f"the stream of {pieces!r}: {name} is {got!r}, not {right!r} ({hint})"
+        return None
+
+    return report("exercise 6.8.2, reading a stream", attempt)

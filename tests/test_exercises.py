@@ -3,6 +3,7 @@ and the starter cell as given (NotImplementedError) is told what to do."""
 
 import codecs
 import dataclasses
+import json
 import math
 
 import pytest
@@ -187,6 +188,53 @@ def lora_merge(weight, a, b, alpha):
     return weight + alpha / a.size(0) * b @ a
 
 
+def send_after_each(pieces, stops):
+    sent, held, stopped = [], "", False
+    for piece in [*pieces, None]:
+        text = held + (piece or "")
+        found = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if stopped or found:
+            sent.append("" if stopped else text[: min(found)])
+            held, stopped = "", True
+            continue
+        keep = 0 if piece is None else max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])),
+                                           default=0)
+        sent.append(text[: len(text) - keep])
+        held = text[len(text) - keep:]
+    return sent
+
+
+def send_at_the_end(pieces, stops):  # the right text, but nothing until the last piece
+    text = "".join(pieces)
+    cut = min([i for i in (text.find(s) for s in stops) if i >= 0], default=len(text))
+    return [""] * len(pieces) + [text[:cut]]
+
+
+def read_stream(lines):
+    text, finish, tokens = "", None, None
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line.removeprefix("data: "))
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+        for choice in event["choices"][:1]:
+            text += choice["text"]
+            finish = choice["finish_reason"] or finish
+    return text, finish, tokens
+
+
+def read_stream_until_finished(lines):  # stops at the finish_reason, before the usage chunk
+    text, finish = "", None
+    for line in lines:
+        if line.startswith("data: {"):
+            choice = json.loads(line[6:])["choices"][0]
+            text, finish = text + choice["text"], choice["finish_reason"]
+            if finish:
+                return text, finish, None
+    return text, finish, None
+
+
 def not_attempted(*args):
     raise NotImplementedError
 
@@ -223,6 +271,8 @@ CASES = [  # check, a reference answer, a wrong one, a phrase of the message the
     (exercises.check_lora_parameter_count, lora_parameter_count,
      lambda c, r: lora_parameter_count(c, r) * 3 // 4, "rank x (in + out)"),
     (exercises.check_lora_merge, lora_merge, lambda w, a, b, alpha: w + alpha * b @ a, "(alpha / rank) B A"),
+    (exercises.check_stop_strings, send_after_each, send_at_the_end, "after piece 0"),
+    (exercises.check_stream_reader, read_stream, read_stream_until_finished, "completion_tokens is None"),
 ]
 
 
