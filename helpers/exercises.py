@@ -27,7 +27,7 @@ from .model.moe import route
 from .model.rope import apply_rope
 from .serving.text_stream import TextStream
 from .text.bpe import BPETokenizer, gpt2_merges
-from .text.chat import ChatExample
+from .text.chat import ChatExample, packed_batch
 from .text.data import NextTokenDataset
 from .text.tokenizer import get_tokenizer
 from .training.lora import LoRALinear, add_lora, trainable_parameters
@@ -573,8 +573,29 @@ def check_masked_targets(masked_targets: Callable[[list[int], int], tuple[torch.
     return report("exercise 9.1.1, the mask", attempt)
 
 
+def check_packed_rows(packed_rows: Callable[[list[int], int], int]) -> bool:
+    """Chapter 9.1, exercise 2: `packed_rows(lengths, row_length)` is how many rows `packed_batch` fills with
+    exchanges of these input lengths, laid end to end in their order, a new row where the next one does not fit."""
+    generator = torch.Generator().manual_seed(0)
+    cases = [([5, 3], 8), ([3, 6, 5, 2], 8), ([5, 4, 5, 4], 8), ([2, 2, 2, 2, 2], 4), ([7], 7)]
+    cases += [(torch.randint(1, 17, (n,), generator=generator).tolist(), 16) for n in (10, 25, 40)]
+
+    def attempt() -> str | None:
+        for lengths, row_length in cases:
+            exchanges = [ChatExample(list(range(n + 1)), 1) for n in lengths]  # n inputs: n + 1 ids
+            truth = packed_batch(exchanges, row_length, pad_id=0)[0].size(0)
+            mine = packed_rows(list(lengths), row_length)
+            if mine != truth:
+                return (f"exchanges of {lengths} tokens in rows of {row_length}: yours fills {mine} rows, packing "
+                        f"fills {truth} (in their order; a new row where the next exchange does not fit, an exact "
+                        "fit stays in its row)")
+        return None
+
+    return report("exercise 9.1.2, packing, counted", attempt)
+
+
 def check_lora_parameter_count(lora_parameter_count: Callable[[GPTConfig, int], int]) -> bool:
-    """Chapter 9.1, exercise 2: `lora_parameter_count(config, rank)` is what `add_lora` trains on GPT(config) when
+    """Chapter 9.2, exercise 1: `lora_parameter_count(config, rank)` is what `add_lora` trains on GPT(config) when
     it adapts every block's four Linear layers, without token rows (GPT-2's sizes, ranks 1 to 64)."""
     def attempt() -> str | None:
         for name in ("gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl"):
@@ -587,11 +608,11 @@ def check_lora_parameter_count(lora_parameter_count: Callable[[GPTConfig, int], 
                             "(rank x (in + out) per adapted layer, four layers per block)")
         return None
 
-    return report("exercise 9.1.2, LoRA's parameters", attempt)
+    return report("exercise 9.2.1, LoRA's parameters", attempt)
 
 
 def check_lora_merge(merge: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]) -> bool:
-    """Chapter 9.1, exercise 3: `merge(weight, a, b, alpha)` is the plain weight of a LoRA layer, as
+    """Chapter 9.2, exercise 2: `merge(weight, a, b, alpha)` is the plain weight of a LoRA layer, as
     `LoRALinear.merged` folds it: W + (alpha / rank) B A."""
     generator = torch.Generator().manual_seed(0)
 
@@ -611,7 +632,7 @@ def check_lora_merge(merge: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, 
                         "B (out x rank) times A (rank x in)")
         return None
 
-    return report("exercise 9.1.3, merging", attempt)
+    return report("exercise 9.2.2, merging", attempt)
 
 
 def check_stop_strings(send_after_each: Callable[[list[str], list[str]], list[str]]) -> bool:

@@ -477,18 +477,21 @@ def chapter6_solutions_time(p, low, recorded_s):
     }, NOTEBOOK_MINUTES)
 
 
-def instruction_tuning_time(p, low, recorded_s):
-    """ch09/01 at the gpu scale: every method fine-tuned in fp32 per seed (LoRA's steps counted as full ones), then
-    each answers the held-out questions; the pretrained run is notebook 5.1's, reused from the cache."""
-    chat = small_width(p, p["VOCAB"] + 3)
-    runs = (2 + len(p["RANKS"])) * len(p["SEEDS"])
-    return TimeEstimate({
-        "fine-tuning, every method and seed": runs * training_seconds(chat, p["FT_STEPS"],
-                                                                      p["FT_BATCH"] * p["CONTEXT"], None),
-        "answers, 16 questions a batch, a pass per token": (runs + 1) * -(-p["QUESTIONS"] // 16) * p["NEW_TOKENS"]
-        * pass_seconds(chat, 16),
-        "host: the instruction set, tokenizer, plans of GPT-2's sizes": 60,
-    }, NOTEBOOK_MINUTES)
+def fine_tuning_time(methods: Callable[[dict], int], baseline: bool, host: tuple[str, float]) -> T4Time:
+    """ch09's notebooks at the gpu scale: `methods(p)` ways of fine-tuning, each in fp32 once per seed (LoRA's steps
+    counted as full ones), then each model answers the held-out questions, and so does the few-shot baseline where
+    there is one; the pretrained run is notebook 5.1's, reused from the cache. `host`: (what, seconds) the CPU does."""
+    def estimate(p, low, recorded_s):
+        chat = small_width(p, p["VOCAB"] + 3)
+        runs = methods(p) * len(p["SEEDS"])
+        return TimeEstimate({
+            "fine-tuning, every method and seed": runs * training_seconds(chat, p["FT_STEPS"],
+                                                                          p["FT_BATCH"] * p["CONTEXT"], None),
+            "answers, 16 questions a batch, a pass per token": (runs + baseline) * -(-p["QUESTIONS"] // 16)
+            * p["NEW_TOKENS"] * pass_seconds(chat, 16),
+            f"host: {host[0]}": host[1],
+        }, NOTEBOOK_MINUTES)
+    return estimate
 
 
 # --- the table -----------------------------------------------------------------------------------------------------
@@ -595,7 +598,12 @@ NOTEBOOKS = (
              gpu_work=mixture_of_experts_memory),
     Notebook(path="ch08_modern_llm/solutions.ipynb", role="solutions", gpu_work=modern_decoder_memory(trainers_held=1)),
     Notebook(path=INSTRUCTION_TUNING, role="deep dive", extends=PRETRAINING, gpu_work=instruction_tuning_memory,
-             t4_time=instruction_tuning_time, reuses_run_of=PRETRAINING,
+             t4_time=fine_tuning_time(lambda p: 1, baseline=True, host=("the instruction set, tokenizer", 30)),
+             reuses_run_of=PRETRAINING),
+    Notebook(path="ch09_finetuning/02_lora.ipynb", role="deep dive", extends=PRETRAINING,
+             gpu_work=instruction_tuning_memory, reuses_run_of=PRETRAINING,
+             t4_time=fine_tuning_time(lambda p: 2 + len(p["RANKS"]), baseline=False,
+                                      host=("the instruction set, tokenizer, plans of GPT-2's sizes", 60)),
              prose_constants={"10%": "the chapter's target for LoRA r16's answer loss against full fine-tuning",
                               "16 bytes per parameter": "analytic: fp32 weight, gradient and two AdamW moments"}),
     Notebook(path="ch09_finetuning/solutions.ipynb", role="solutions", gpu_work=instruction_tuning_memory,

@@ -26,6 +26,7 @@ from helpers.text.chat import (
     END,
     USER,
     encode_exchange,
+    encode_exchanges,
     marker_ids,
     packed_batch,
     padded_batch,
@@ -34,6 +35,7 @@ from helpers.text.chat import (
 )
 from helpers.text.instructions import (
     EXCLUDED,
+    Instruction,
     describes_itself,
     first_example,
     instruction_splits,
@@ -105,6 +107,14 @@ def test_padded_and_packed_batches_hold_the_same_targets(tokenizer):
     assert xp.numel() < xs.numel()  # the same tokens in fewer cells: packing pads less
     with pytest.raises(ValueError, match="more than a row's 3"):
         packed_batch(examples, 3, pad)
+
+
+def test_exchanges_longer_than_the_context_are_left_out(tokenizer):
+    questions = [Instruction("m", f"f{i}", "what", f"What does `m.f{i}` do?", "word " * 8 * i) for i in range(6)]
+    every = [encode_exchange(tokenizer, q.question, q.answer) for q in questions]
+    limit = len(every[3].ids)
+    assert encode_exchanges(tokenizer, questions, limit) == every[:4]
+    assert encode_exchanges(tokenizer, questions, limit - 1) == every[:3]
 
 
 def test_a_grown_model_keeps_the_known_tokens_logits_and_starts_new_rows_at_the_mean():

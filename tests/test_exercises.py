@@ -172,11 +172,22 @@ def kept_slots(experts, n_experts, capacity_factor):
     capacity = math.ceil(capacity_factor * experts.numel() / n_experts)
     one_hot = torch.nn.functional.one_hot(experts.flatten(), n_experts)
     return ((one_hot.cumsum(0) * one_hot).sum(-1) <= capacity).view_as(experts)
+
+
 def masked_targets(ids, answer_start):
     ids = torch.tensor(ids)
     targets = ids[1:].clone()
     targets[: answer_start - 1] = -100
     return ids[:-1], targets
+
+
+def packed_rows(lengths, row_length):
+    rows, used = 1, 0
+    for n in lengths:
+        if used + n > row_length:
+            rows, used = rows + 1, 0
+        used += n
+    return rows
 
 
 def lora_parameter_count(config, rank):
@@ -268,6 +279,8 @@ CASES = [  # check, a reference answer, a wrong one, a phrase of the message the
     (exercises.check_kept_slots, kept_slots,  # a wrong one: the capacity counted in tokens, not token slots
      lambda experts, n, factor: kept_slots(experts, n, factor / experts.size(1)), "the rule keeps"),
     (exercises.check_masked_targets, masked_targets, lambda ids, start: masked_targets(ids, start + 1), "not"),
+    (exercises.check_packed_rows, packed_rows,  # a wrong one: the tokens' rows without gaps, as if nothing were cut
+     lambda lengths, row: -(-sum(lengths) // row), "packing fills"),
     (exercises.check_lora_parameter_count, lora_parameter_count,
      lambda c, r: lora_parameter_count(c, r) * 3 // 4, "rank x (in + out)"),
     (exercises.check_lora_merge, lora_merge, lambda w, a, b, alpha: w + alpha * b @ a, "(alpha / rank) B A"),
@@ -306,6 +319,36 @@ def test_an_answer_right_only_in_its_result_is_refused(check, wrong, phrase, cap
     assert not check(wrong)
     out = capsys.readouterr().out
     assert out.startswith("Not yet (exercise ") and phrase in out
+
+
+def packed_rows_exact_fit_moves_on(lengths, row_length):  # a row filled exactly starts a new one
+    rows, used = 1, 0
+    for n in lengths:
+        if used and used + n >= row_length:
+            rows, used = rows + 1, 0
+        used += n
+    return rows
+
+
+def packed_rows_longest_first(lengths, row_length):  # first fit, longest first: fewer rows than packing in order
+    rows = []
+    for n in sorted(lengths, reverse=True):
+        row = next((r for r in rows if sum(r) + n <= row_length), None)
+        if row is None:
+            rows.append([n])
+        else:
+            row.append(n)
+    return len(rows)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (packed_rows_exact_fit_moves_on, "exchanges of [5, 3] tokens in rows of 8: yours fills 2 rows, packing fills 1"),
+    (packed_rows_longest_first, "exchanges of [3, 6, 5, 2] tokens in rows of 8: yours fills 2 rows, packing fills 3"),
+], ids=["an exact fit closing its row", "longest first"])
+def test_packing_counted_refuses_rows_filled_another_way(wrong, phrase, capsys):
+    assert not exercises.check_packed_rows(wrong)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet (exercise 9.1.2, packing, counted)") and phrase in out
 
 
 def test_an_answer_that_raises_gets_the_error_as_its_verdict(capsys):

@@ -12,8 +12,9 @@ by producing `<|end|>`. `CHAT_TEMPLATE` writes the same tokens from a list of me
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from ..model.lm_head import IGNORE_INDEX
 from .bpe import BPETokenizer
 from .tokenizer import with_special_tokens
 from .tokenizer_files import Tokenizer, special_tokens, vocab_size
+
+if TYPE_CHECKING:
+    from .instructions import Instruction
 
 USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|end|>"
 CHAT_TOKENS = (USER, ASSISTANT, END)
@@ -78,6 +82,13 @@ class ChatExample:
 def encode_exchange(tokenizer: Tokenizer, question: str, answer: str) -> ChatExample:
     prompt = prompt_ids(tokenizer, question)
     return ChatExample(prompt + tokenizer.encode_ordinary(answer) + [marker_ids(tokenizer)[END]], len(prompt))
+
+
+def encode_exchanges(tokenizer: Tokenizer, instructions: Iterable[Instruction], max_tokens: int) -> list[ChatExample]:
+    """Each question and its answer as an exchange, those longer than `max_tokens` tokens (a model's context) left
+    out."""
+    exchanges = (encode_exchange(tokenizer, i.question, i.answer) for i in instructions)
+    return [exchange for exchange in exchanges if len(exchange.ids) <= max_tokens]
 
 
 def padded_batch(examples: Sequence[ChatExample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
