@@ -13,6 +13,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -31,7 +32,7 @@ from helpers.serving.api import create_app
 from helpers.serving.checkpoint import PLAIN_CHAT_TEMPLATE, export_for_serving, load_for_serving
 from helpers.serving.engine_loop import EngineLoop, EngineStopped, QueueFull, Update
 from helpers.serving.metrics import scrape
-from helpers.serving.server import LOOPBACK, start_server
+from helpers.serving.server import LOOPBACK, free_port, launch, start_server
 from helpers.serving.text_stream import TextStream
 from helpers.text.bpe import train_bpe
 from helpers.text.tokenizer import get_tokenizer
@@ -498,6 +499,20 @@ def test_serve_refuses_bad_arguments_with_a_usage_error(python_process, tmp_path
     assert result.returncode == 2 and "no such folder" in result.stderr
     result = python_process("-m", "helpers", "serve", "--checkpoint", tmp_path, "--port", "70000")
     assert result.returncode == 2 and "--port" in result.stderr
+    result = python_process("-m", "helpers", "serve", "--checkpoint", tmp_path, "--threads", "0")
+    assert result.returncode == 2 and "--threads" in result.stderr
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_the_engine_runs_on_the_threads_it_is_given(folder, tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "helpers", "serve", "--checkpoint", str(folder), "--port", str(port),
+               "--threads", "1"]
+    with launch(command, port, 100, log=log) as running:
+        assert httpx.get(running.url + "/health", timeout=30).status_code == 200
+    assert "; CPU threads: 1" in log.read_text()
 
 
 def test_a_folder_without_a_model_is_refused_in_one_line(python_process, tmp_path):

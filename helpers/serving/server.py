@@ -53,6 +53,9 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                         help="the weights' dtype (default float32; float64 makes batched and single-sequence "
                              "kernels agree exactly)")
+    parser.add_argument("--threads", type=positive_int,
+                        help="CPU threads of the engine's operations (default: torch's, one per core); fewer leave "
+                             "cores to the HTTP front and to clients on the same machine")
     add_device(parser, "cpu")
 
 
@@ -65,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"--port {args.port}: give a port in 1..65535")
     if args.max_waiting < 0:
         parser.error(f"--max-waiting {args.max_waiting}: give 0 or more")
+    import torch
     import uvicorn
 
     from ..inference.serving import Engine
@@ -74,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     from .checkpoint import load_for_serving
     from .engine_loop import EngineLoop
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         served = load_for_serving(args.checkpoint, name=args.model_name, device=args.device or "cpu",
                                   dtype=DTYPES[args.dtype])
@@ -89,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     cache = engine.cache
     mib = cache.num_blocks * cache.block_size * cache.bytes_per_slot / 2**20
     print(f"serving {served.name!r} at http://{args.host}:{args.port} (Ctrl-C stops); KV cache: {cache.num_blocks} "
-          f"blocks of {cache.block_size} tokens, {mib:.0f} MiB", flush=True)
+          f"blocks of {cache.block_size} tokens, {mib:.0f} MiB; CPU threads: {torch.get_num_threads()}", flush=True)
     # uvicorn catches SIGINT and SIGTERM while it runs and, once shut down, raises the signal again for the handler
     # that was there before. A no-op one here: a server told to stop has stopped, and exits 0, not by the signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
