@@ -245,12 +245,21 @@ def chapter5_solutions_memory(p, caps):  # each section's largest step beside th
 # Serving engines preallocate their whole paged cache, so a served run is planned as a generation with that many
 # cached positions, plus one layer's keys and values gathered per step.
 
+def reused_pretraining(p, caps):
+    """5.1's run, which a notebook that reuses it trains again where the course's cache does not hold it."""
+    return ("5.1's training", training_step_plan(small_width(p, p["VOCAB"]), p["BATCH_SIZE"], p["CONTEXT"],
+                                                 autocast=autocast_dtype(caps)).peak_bytes)
+
+
 def kv_cache_memory(p, caps):  # 5.1's run, unless reused; the timed generation without a cache
     config, dtype = GPTConfig.from_preset(p["BENCH_PRESET"], dropout=0.0), getattr(torch, p["DTYPE"])
-    return [("5.1's training", training_step_plan(small_width(p, p["VOCAB"]), p["BATCH_SIZE"], p["CONTEXT"],
-                                                  autocast=autocast_dtype(caps)).peak_bytes),
+    return [reused_pretraining(p, caps),
             ("generation without a cache", inference_plan(config, 1, p["PROMPT_LEN"] + p["NEW_TOKENS"],
                                                           dtype=dtype).peak_bytes)]
+
+
+def serving_over_http_memory(p, caps):  # the servers, their peer and the load generator run on the CPU
+    return [reused_pretraining(p, caps)]
 
 
 def quantization_memory(p, caps):
@@ -571,7 +580,7 @@ NOTEBOOKS = (
              gpu_work=decode_bandwidth_memory,
              off_virtual_device=COMPILE_UNDER_A_MODE.format("its compiled decode step")),
     Notebook(path="ch06_inference/08_serving_over_http.ipynb", role="deep dive", extends=KV_CACHE,
-             gpu_work="the servers, their peer and the load generator run on the CPU at every scale",
+             gpu_work=serving_over_http_memory,
              reuses_run_of=PRETRAINING, prose_constants={"1.5x": "the issue's target against the peer, quoted"}),
     Notebook(path="ch06_inference/solutions.ipynb", role="solutions", gpu_work=chapter6_solutions_memory,
              t4_time=chapter6_solutions_time,
