@@ -487,11 +487,11 @@ def chapter6_solutions_time(p, low, recorded_s):
 
 
 def fine_tuning_time(methods: Callable[[dict], int], baseline: bool, host: tuple[str, float],
-                     sweep: Callable[[dict], int] = lambda p: 0) -> T4Time:
-    """ch09's notebooks at the gpu scale: `methods(p)` ways of fine-tuning, each in fp32 once per seed, and `sweep(p)`
-    runs of one seed each (LoRA's steps counted as full ones), then each model answers the held-out questions, and
-    so does the few-shot baseline where there is one; the pretrained run is notebook 5.1's, reused from the cache.
-    `host`: (what, seconds) the CPU does."""
+                     sweep: Callable[[dict], float] = lambda p: 0) -> T4Time:
+    """ch09's notebooks at the gpu scale: `methods(p)` ways of fine-tuning, each in fp32 once per seed, plus `sweep(p)`
+    runs' worth of one-seed steps (LoRA's steps counted as full ones); then each model answers the held-out questions,
+    and so does the few-shot baseline where there is one. The pretrained run is notebook 5.1's, reused from the
+    cache. `host`: (what, seconds) the CPU does."""
     def estimate(p, low, recorded_s):
         chat = small_width(p, p["VOCAB"] + 3)
         runs = methods(p) * len(p["SEEDS"]) + sweep(p)
@@ -614,7 +614,8 @@ NOTEBOOKS = (
     Notebook(path="ch09_finetuning/02_lora.ipynb", role="deep dive", extends=PRETRAINING,
              gpu_work=instruction_tuning_memory, reuses_run_of=PRETRAINING,
              t4_time=fine_tuning_time(lambda p: 2 + len(p["RANKS"]), baseline=False,
-                                      sweep=lambda p: len(p["FULL_LRS"]) + len(p["LORA_LRS"]),
+                                      sweep=lambda p: (len(p["FULL_LRS"]) + len(p["LORA_LRS"])) * p["SWEEP_STEPS"]
+                                      / p["FT_STEPS"],
                                       host=("the instruction set, tokenizer, plans of GPT-2's sizes", 60)),
              prose_constants={"10%": "the chapter's target for LoRA r16's answer loss against full fine-tuning",
                               "16 bytes per parameter": "analytic: fp32 weight, gradient and two AdamW moments"}),
