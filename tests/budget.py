@@ -32,7 +32,9 @@ class Budget:
 # where one unit took REFERENCE_UNIT seconds (two copies at once). The parts' test times there, with a little room.
 REFERENCE_UNIT = 1.25
 BUDGETS = {
-    "parallel": Budget(800, "the parallel part within 7 minutes on 2 cores"),
+    # 800 until notebooks 6.8 (a server, its static twin and transformers serve, whose start alone takes ~27 s) and 9.2
+    # (a learning-rate sweep and the T4 plan) added ~100 s of smoke runs; the suite still lands within 12 minutes
+    "parallel": Budget(960, "the parallel part within 9 minutes on 2 cores"),
     "serial": Budget(90, "the serial part within 2 minutes"),
     "fast": Budget(150, "make test-fast within 2 minutes on 2 cores"),
 }
