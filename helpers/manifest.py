@@ -336,14 +336,20 @@ def chapter7_solutions_memory(p, caps):
              + held + 8 * parameter_count(act))]  # 7.3's model and its stages
 
 
-def modern_decoder_memory(trainers_held: int) -> Workloads:
-    """ch08/01 and its solutions: a training step beside the trainers still held (01 times its 7 together)."""
+def modern_decoder_memory(trainers_held: int, reuses_pretraining: bool = False) -> Workloads:
+    """ch08/01 and its solutions: a training step beside the trainers still held (01 times its 7 together); 01's
+    last section reuses 5.1's run (its recipe in parameters named PRE_CONTEXT and so on), beside those trainers."""
     def workloads(p, caps):
         shape = (p["VOCAB"], p["CONTEXT"], p["D_MODEL"], p["N_HEADS"], p["N_LAYERS"])
         config, largest = llama_style(*shape, p["KV_HEADS"], qk_norm=True), llama_style(*shape, p["N_HEADS"])
-        return [("training beside the other trainers", training_step_plan(
-            config, p["BATCH_SIZE"], p["CONTEXT"], autocast=autocast_dtype(caps)).peak_bytes
-                 + trainers_held * state_bytes(largest))]
+        held = trainers_held * state_bytes(largest)
+        rows = [("training beside the other trainers", training_step_plan(
+            config, p["BATCH_SIZE"], p["CONTEXT"], autocast=autocast_dtype(caps)).peak_bytes + held)]
+        if reuses_pretraining:
+            pre = {name.removeprefix("PRE_"): value for name, value in p.items() if name.startswith("PRE_")}
+            label, peak = reused_pretraining(pre | {"VOCAB": p["VOCAB"]}, caps)
+            rows.append((f"{label}, beside the trainers", peak + held))
+        return rows
     return workloads
 
 
@@ -519,7 +525,8 @@ COMPILE_UNDER_A_MODE = "torch.compile ({}) does not trace under a mode"
 
 NOTEBOOKS = (
     Notebook(path="ch02_text/01_tokenization.ipynb", role="core", gpu_work="tokenizers run on the CPU",
-             prose_constants={"30%": "a share of the training text the exercise asks for (the solutions' SHARES)"}),
+             prose_constants={share: "a share of the training text the exercise asks for (the solutions' SHARES)"
+                              for share in ("10%", "30%")}),
     Notebook(path="ch02_text/02_data.ipynb", role="core",
              gpu_work="datasets, loaders and one embedding lookup on the CPU"),
     Notebook(path="ch02_text/solutions.ipynb", role="solutions", gpu_work="tokenizers and tables on the CPU"),
@@ -600,8 +607,8 @@ NOTEBOOKS = (
              gpu_work=TORCHRUN_ON_CPU),
     Notebook(path="ch07_parallel/solutions.ipynb", role="solutions", gpu_work=chapter7_solutions_memory,
              off_virtual_device="it counts saved activations' bytes through their storages in autograd hooks"),
-    Notebook(path=MODERN_DECODER, role="core", gpu_work=modern_decoder_memory(trainers_held=6),
-             t4_time=training_run_time(modern_decoder_time),
+    Notebook(path=MODERN_DECODER, role="core", gpu_work=modern_decoder_memory(trainers_held=6, reuses_pretraining=True),
+             t4_time=training_run_time(modern_decoder_time), reuses_run_of=PRETRAINING,
              prose_constants={"1.2 GB": "Qwen3-0.6B's bf16 checkpoint"}),
     Notebook(path="ch08_modern_llm/02_kv_memory.ipynb", role="deep dive", extends=MODERN_DECODER,
              gpu_work=kv_memory_memory),
