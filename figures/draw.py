@@ -1393,24 +1393,25 @@ def lora_update():
 
 
 def http_serving():
-    """Clients, the HTTP front on an event loop, and the engine in one thread of its own, with what passes between
-    them: a request checked and queued, its tokens delivered after every iteration and streamed as events."""
+    """Clients, the HTTP front on an event loop, and the engine in a process of its own, with what passes between
+    them through two pipes: a request checked and sent, its tokens sent back after every iteration and streamed as
+    events."""
     fig, ax = _canvas(11.0, 4.6, (0, 22.6), (0, 9.4))
     ax.text(1.9, 8.9, "clients", ha="center", fontsize=10)
     for i, name in enumerate(("openai client", "curl", "chat page")):
         _box(ax, 0.3, 6.6 - i * 2.1, 3.2, 1.2, name, color="#F2F2F2", fontsize=8)
-    ax.text(9.0, 8.9, "HTTP front: FastAPI on uvicorn's event loop", ha="center", fontsize=10)
+    ax.text(9.0, 8.9, "server process: FastAPI on uvicorn's event loop", ha="center", fontsize=10)
     _box(ax, 5.6, 6.3, 6.8, 1.5, "check the request whole\n(a bad field: 4xx, named; queue full: 429)",
          color="#CFE0F3", fontsize=8)
     _box(ax, 5.6, 3.9, 6.8, 1.5, "stream each request's new text\nas server-sent events: data: {...}",
          color="#D5EBD9", fontsize=8)
     _box(ax, 5.6, 1.5, 6.8, 1.5, "/metrics, /health, /v1/models\na client gone: abort its sequence",
          color="#F2F2F2", fontsize=8)
-    ax.text(18.3, 8.9, "engine loop: one thread", ha="center", fontsize=10)
+    ax.text(18.3, 8.9, "engine process: its own interpreter", ha="center", fontsize=10)
     _box(ax, 14.8, 1.5, 7.0, 6.3, "", color="white")
-    for i, step in enumerate(("1. take new requests and\naborts from the inbox", "2. one iteration: prefill and\n"
+    for i, step in enumerate(("1. take new requests and\naborts from the pipe", "2. one iteration: prefill and\n"
                               "decode, continuous batching,\npaged KV, prefix cache",
-                              "3. deliver each request's\nnew tokens")):
+                              "3. send back each request's\nnew tokens")):
         _box(ax, 15.3, 6.2 - i * 2.0, 6.0, 1.4 if i != 1 else 1.7, step, color=[BLUE, ORANGE, GREEN][i],
              fontsize=8, text_color="white")
     _arrow(ax, (3.5, 7.2), (5.6, 7.05))
@@ -1418,13 +1419,13 @@ def http_serving():
     _arrow(ax, (5.6, 4.65), (3.5, 5.1), color=GREEN)
     ax.text(4.55, 4.2, "events", ha="center", fontsize=7, color=GREEN)
     _arrow(ax, (12.4, 7.05), (15.3, 6.9), color=BLUE)
-    ax.text(13.85, 7.35, "inbox", ha="center", fontsize=7, color=BLUE)
+    ax.text(13.85, 7.35, "pipe", ha="center", fontsize=7, color=BLUE)
     _arrow(ax, (15.3, 2.9), (12.4, 4.3), color=GREEN)
-    ax.text(13.6, 2.6, "tokens,\nper request", ha="center", fontsize=7, color=GREEN)
+    ax.text(13.6, 2.6, "tokens, per\nrequest; stats", ha="center", fontsize=7, color=GREEN)
     _arrow(ax, (21.55, 2.6), (21.55, 6.9), connectionstyle="arc3,rad=0.3", color=GREY)
     ax.text(22.05, 4.75, "repeat", rotation=90, ha="center", va="center", fontsize=7, color="#777777")
-    _caption(ax, 0.6, "the front never runs the model and the engine never waits for a client: requests join the "
-             "running batch at the next iteration", x=11.2)
+    _caption(ax, 0.6, "two interpreters on their own cores: the front never runs the model and the engine never "
+             "waits for a client; requests join the running batch at the next iteration", x=11.2)
     return fig
 
 

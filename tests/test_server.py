@@ -31,6 +31,7 @@ from helpers.model.decoding import GREEDY, Sampling
 from helpers.serving.api import create_app
 from helpers.serving.checkpoint import PLAIN_CHAT_TEMPLATE, export_for_serving, load_for_serving
 from helpers.serving.engine_loop import EngineLoop, EngineStopped, QueueFull, Update
+from helpers.serving.engine_process import EngineProcess, EngineSettings
 from helpers.serving.metrics import scrape
 from helpers.serving.server import LOOPBACK, free_port, launch, start_server
 from helpers.serving.text_stream import TextStream
@@ -512,7 +513,7 @@ def test_the_engine_runs_on_the_threads_it_is_given(folder, tmp_path):
                "--threads", "1"]
     with launch(command, port, 100, log=log) as running:
         assert httpx.get(running.url + "/health", timeout=30).status_code == 200
-    assert "; CPU threads: 1" in log.read_text()
+    assert "; engine process with 1 CPU threads" in log.read_text()
 
 
 def test_a_folder_without_a_model_is_refused_in_one_line(python_process, tmp_path):
@@ -747,3 +748,61 @@ def test_an_engine_failure_reaches_every_client_as_an_error(served64, monkeypatc
     wait_for(lambda: not loop.alive, 30, "the failed loop's thread still runs")
     with pytest.raises(EngineStopped, match="boom"):
         loop.submit(Request("y", (1, 2), 5), Collector())
+
+
+# ---- the engine in a process of its own ----
+
+
+def engine_process(folder, **settings) -> EngineProcess:
+    served = load_for_serving(folder, device="meta", dtype=torch.float64)
+    return EngineProcess(EngineSettings(str(folder), dtype="float64", threads=1, **settings), served.model).start()
+
+
+def collect(updates: list, done: threading.Event):
+    def deliver(update):
+        updates.append(update)
+        if update.finish_reason is not None:
+            done.set()
+    return deliver
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_an_engine_process_gives_generate_with_caches_tokens_and_refuses_past_its_capacity(folder, served64):
+    engine = engine_process(folder, max_batch=1, max_waiting=1)
+    try:
+        prompts = [served64.encode("The quick brown"), served64.encode("def main")]
+        runs = [([], threading.Event()) for _ in prompts]
+        for i, (prompt, (updates, done)) in enumerate(zip(prompts, runs, strict=True)):
+            engine.submit(Request(i, tuple(prompt), 12), collect(updates, done))
+        with pytest.raises(QueueFull):  # one running and one waiting: the most it holds
+            engine.submit(Request(2, tuple(prompts[0]), 12), lambda update: None)
+        for prompt, (updates, done) in zip(prompts, runs, strict=True):
+            assert done.wait(60)
+            expected = generate_with_cache(served64.model, torch.tensor([prompt]), 12)[0, len(prompt):].tolist()
+            assert [t for u in updates for t in u.tokens] == expected and updates[-1].finish_reason == "length"
+        wait_for(lambda: engine.stats.blocks_used == 0 and engine.stats.iterations > 0, 30, "stats not sent")
+        assert engine.admitted == 0
+    finally:
+        engine.stop(30)
+    assert not engine.alive
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_an_engine_process_that_dies_ends_every_live_request_and_refuses_new_ones(folder, served64):
+    engine = engine_process(folder, max_batch=1, max_waiting=4)
+    try:
+        updates, done = [], threading.Event()
+        engine.submit(Request("long", tuple(served64.encode("The quick")), 60), collect(updates, done))
+        waiting, ended = [], threading.Event()
+        engine.submit(Request("waiting", tuple(served64.encode("def")), 60), collect(waiting, ended))
+        os.kill(engine.pid, signal.SIGKILL)
+        assert done.wait(30) and ended.wait(30)
+        assert updates[-1].finish_reason == waiting[-1].finish_reason == "error"
+        assert "exited with code" in updates[-1].error
+        assert not engine.alive
+        with pytest.raises(EngineStopped, match="exited with code"):
+            engine.submit(Request("late", (1, 2), 4), lambda update: None)
+    finally:
+        engine.stop(5)

@@ -32,6 +32,7 @@ from ..model.decoding import Sampling
 from ..text.tokenizer_files import token_bytes
 from .checkpoint import ServedModel
 from .engine_loop import EngineLoop, EngineStopped, QueueFull, Update
+from .engine_process import EngineProcess
 from .metrics import ServerMetrics
 from .text_stream import TextStream
 
@@ -213,7 +214,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: floa
         task.cancel()
 
 
-def create_app(served: ServedModel, loop: EngineLoop, *, api_key: str | None = None,
+def create_app(served: ServedModel, loop: EngineLoop | EngineProcess, *, api_key: str | None = None,
                max_body_bytes: int = 1 << 20) -> FastAPI:
     """The server's application; starting it starts `loop`, shutting it down stops it."""
     metrics = ServerMetrics(loop)

@@ -62,11 +62,14 @@ class EngineLoop:
     """Runs `engine` in a daemon thread. `submit` and `abort` may be called from any thread; each request's
     `deliver` is called from the engine's thread after every iteration that gave it tokens, and once at its end.
 
-    At most `max_batch + max_waiting` requests are live at once; `submit` raises QueueFull past that."""
+    At most `max_batch + max_waiting` requests are live at once; `submit` raises QueueFull past that. `publish`, if
+    given, gets every new stats snapshot, from the engine's thread (an engine process sends them to the server)."""
 
-    def __init__(self, engine: Engine, max_waiting: int) -> None:
+    def __init__(self, engine: Engine, max_waiting: int,
+                 publish: Callable[[EngineStats], None] | None = None) -> None:
         self.engine, self.capacity = engine, engine.max_batch + max_waiting
-        self.stats = EngineStats(blocks_free=engine.cache.allocator.num_free)
+        self._publish = publish
+        self._stats = EngineStats(blocks_free=engine.cache.allocator.num_free)
         self._inbox: deque[tuple[str, Hashable, Request | None, Deliver | None]] = deque()
         self._wake = threading.Condition()
         self._live: dict[Hashable, tuple[Deliver, int]] = {}  # request id -> (deliver, tokens delivered); engine's
@@ -98,6 +101,16 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @stats.setter
+    def stats(self, snapshot: EngineStats) -> None:
+        changed, self._stats = snapshot != self._stats, snapshot
+        if changed and self._publish is not None:
+            self._publish(snapshot)
 
     @property
     def admitted(self) -> int:

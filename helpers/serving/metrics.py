@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from .engine_loop import EngineLoop
+from .engine_process import EngineProcess
 
 # Latencies on a CPU run from about a millisecond (one decode step of a small model) to tens of seconds (a
 # request that waits behind a full batch).
@@ -15,9 +16,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 class ServerMetrics:
     """Requests by endpoint and status, tokens in and out, the engine's queue, KV blocks and prefix-cache hit rate
-    (read from the engine loop's latest snapshot when scraped), and time-to-first-token and inter-token latency."""
+    (read from the engine's latest snapshot when scraped), and time-to-first-token and inter-token latency."""
 
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: EngineLoop | EngineProcess) -> None:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("course_requests", "HTTP requests served, by endpoint and status code",
                                 ["endpoint", "status"], registry=registry)

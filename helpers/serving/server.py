@@ -54,8 +54,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
                         help="the weights' dtype (default float32; float64 makes batched and single-sequence "
                              "kernels agree exactly)")
     parser.add_argument("--threads", type=positive_int,
-                        help="CPU threads of the engine's operations (default: torch's, one per core); fewer leave "
-                             "cores to the HTTP front and to clients on the same machine")
+                        help="CPU threads of the engine process (default: one per core but one, at least one: the "
+                             "HTTP front, in this process, keeps a core)")
     add_device(parser, "cpu")
 
 
@@ -68,34 +68,37 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"--port {args.port}: give a port in 1..65535")
     if args.max_waiting < 0:
         parser.error(f"--max-waiting {args.max_waiting}: give 0 or more")
-    import torch
     import uvicorn
 
-    from ..inference.serving import Engine
     from ..model.hf_files import WeightsError
     from ..text.tokenizer_files import TokenizerFilesError
     from .api import create_app
     from .checkpoint import load_for_serving
-    from .engine_loop import EngineLoop
+    from .engine_loop import EngineStopped
+    from .engine_process import EngineProcess, EngineSettings
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        served = load_for_serving(args.checkpoint, name=args.model_name, device=args.device or "cpu",
-                                  dtype=DTYPES[args.dtype])
+    try:  # the front needs the model's shape and its tokenizer, not its weights: those are the engine's
+        served = load_for_serving(args.checkpoint, name=args.model_name, device="meta", dtype=DTYPES[args.dtype])
     except (WeightsError, TokenizerFilesError) as err:
         parser.error(str(err))
-    engine = Engine(served.model, max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
-                    scheduling=args.scheduling,
-                    prefix_caching=args.scheduling == "continuous" and not args.no_prefix_caching)
-    app = create_app(served, EngineLoop(engine, args.max_waiting), api_key=args.api_key,
-                     max_body_bytes=args.max_body_bytes)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = args.threads or max(1, cores - 1)
+    settings = EngineSettings(str(args.checkpoint), args.device or "cpu", args.dtype, threads, args.max_batch,
+                              args.max_waiting, args.block_size, args.num_blocks, args.scheduling,
+                              not args.no_prefix_caching)
+    try:
+        engine = EngineProcess(settings, served.model).start()
+    except EngineStopped as err:
+        print(f"serve: the engine did not start: {err}", file=sys.stderr)
+        return 1
+    app = create_app(served, engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.graceful_seconds)
-    cache = engine.cache
+    cache = engine.engine.cache
     mib = cache.num_blocks * cache.block_size * cache.bytes_per_slot / 2**20
     print(f"serving {served.name!r} at http://{args.host}:{args.port} (Ctrl-C stops); KV cache: {cache.num_blocks} "
-          f"blocks of {cache.block_size} tokens, {mib:.0f} MiB; CPU threads: {torch.get_num_threads()}", flush=True)
+          f"blocks of {cache.block_size} tokens, {mib:.0f} MiB; engine process with {engine.threads} CPU threads",
+          flush=True)
     # uvicorn catches SIGINT and SIGTERM while it runs and, once shut down, raises the signal again for the handler
     # that was there before. A no-op one here: a server told to stop has stopped, and exits 0, not by the signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
