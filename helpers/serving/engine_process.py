@@ -8,6 +8,10 @@ The child loads the model folder, builds the `Engine` and runs it in an `EngineL
 server sends (submit, abort, stop) and another what the engine sends back (each request's updates, each new stats
 snapshot). The server keeps the only count of live requests (so it refuses with 429 at once) and checks each
 request against an engine built on the meta device: the same rules, no weights and no cache.
+
+The child is started by spawning a fresh interpreter (about two seconds, most of it importing torch), which imports
+the parent's main module again: a script that starts an EngineProcess keeps its top level under
+`if __name__ == "__main__":`, as `python -m helpers serve` does.
 """
 
 from __future__ import annotations
