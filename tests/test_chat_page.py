@@ -44,6 +44,37 @@ RECORD_THE_REPLYS_TEXTS = """() => {
     if (text && text !== window.replyTexts[window.replyTexts.length - 1]) window.replyTexts.push(text);
   }).observe(log, {childList: true, subtree: true, characterData: true});
 }"""
+# Installed with it: the page's fetch hands it a stream's server-sent events one per read, a task apart, however the
+# network grouped them. A fast server's whole reply can reach the page in one read, which the page must show in one
+# step; with one event per read, the steps show that the page renders each event as it arrives.
+ONE_EVENT_PER_READ = """() => {
+  const original = window.fetch;
+  window.fetch = async (...args) => {
+    const response = await original(...args);
+    if (!(response.headers.get('content-type') || '').startsWith('text/event-stream')) return response;
+    const reader = response.body.getReader(), decoder = new TextDecoder(), encoder = new TextEncoder();
+    const events = [];
+    let pending = '', finished = false;
+    const body = new ReadableStream({async pull(controller) {
+      while (!events.length && !finished) {
+        const {value, done} = await reader.read();
+        if (done) {
+          finished = true;
+          if (pending) events.push(pending);
+        } else {
+          pending += decoder.decode(value, {stream: true});
+          const parts = pending.split('\\n\\n');
+          pending = parts.pop();
+          events.push(...parts.map(part => part + '\\n\\n'));
+        }
+      }
+      if (!events.length) return controller.close();
+      await new Promise(resolve => setTimeout(resolve, 0));
+      controller.enqueue(encoder.encode(events.shift()));
+    }});
+    return new Response(body, {status: response.status, statusText: response.statusText, headers: response.headers});
+  };
+}"""
 BUBBLES = "els => els.map(e => [e.dataset.role, e.textContent])"
 
 
@@ -131,6 +162,7 @@ def test_the_chat_page_streams_each_tabs_own_conversation_and_shows_refusals(fol
             first = context.new_page()
             first.goto(server.url + "/")
             first.evaluate(RECORD_THE_REPLYS_TEXTS)
+            first.evaluate(ONE_EVENT_PER_READ)
             first_messages = [{"role": "user", "content": first_prompt}]
             assert send(first, first_prompt) == first_messages
             reply = wait_for_the_reply(first)
