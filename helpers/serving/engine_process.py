@@ -111,7 +111,6 @@ class EngineProcess:
     raises EngineStopped with the child's error."""
 
     def __init__(self, settings: EngineSettings, model_on_meta) -> None:
-        self.settings = settings
         with torch.device("meta"):
             self.engine = settings.engine(model_on_meta)  # for `check`: the engine's rules, on the meta device
         self.capacity = settings.max_batch + settings.max_waiting
