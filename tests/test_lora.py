@@ -13,6 +13,7 @@ from helpers.inference.quantization import Int8Linear, quantize_linears
 from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
 from helpers.training.lora import (
+    EmbeddingAdapter,
     LoRALinear,
     adapter_state_dict,
     add_lora,
@@ -21,6 +22,7 @@ from helpers.training.lora import (
     merge_lora,
     save_adapter,
     trainable_parameters,
+    vocabulary_adapters,
 )
 from helpers.training.step import TrainingStep
 
@@ -36,7 +38,9 @@ def randomise_adapters(model: GPT, seed: int = 1) -> None:
     """B starts at zero; give it values so the update is not zero."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for layer in lora_layers(model).values():
+        adapters = [*lora_layers(model).values(), *(m for m in vocabulary_adapters(model).values()
+                                                    if isinstance(m, EmbeddingAdapter) and m.rank)]
+        for layer in adapters:
             layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=generator, dtype=layer.lora_b.dtype) * 0.1)
 
 
@@ -162,8 +166,52 @@ def test_the_new_tokens_rows_train_with_the_adapters_and_nothing_else_of_the_emb
         add_lora(model64(config), train_tokens=[61])
 
 
+@pytest.mark.parametrize("tie_weights", [True, False], ids=["tied", "untied"])
+def test_the_vocabulary_matrix_takes_a_lora_update_shared_by_a_tied_head(tmp_path, tie_weights):
+    """"tok_emb" (and "lm_head") as targets: the embedding matrix gets W + (alpha / r)·B·A, one update for the
+    embedding and a tied head, checked against that matrix written out in float64; it trains, saves, loads and
+    merges with the block adapters and the new tokens' rows."""
+    config = dataclasses.replace(CONFIG, tie_weights=tie_weights)
+    new, x = [59, 60], tokens()
+    model = model64(config)
+    before = model(x)
+    add_lora(model, rank=3, alpha=6.0, targets=("attn.qkv", "tok_emb", "lm_head"), train_tokens=new)
+    assert torch.equal(model(x), before)  # B at zero
+    vocab, width = CONFIG.vocab_size, CONFIG.d_model
+    matrices = 1 if tie_weights else 2
+    blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks.") and p.requires_grad)
+    assert trainable_parameters(model) == blocks + matrices * (3 * (vocab + width) + len(new) * width)
+    randomise_adapters(model)
+    with torch.no_grad():
+        for adapter in vocabulary_adapters(model).values():
+            if isinstance(adapter, EmbeddingAdapter):
+                adapter.trained.normal_()
+    reference = model64(config)  # the update written out: W + (alpha / r)·B·A, the trained rows in place
+    with torch.no_grad():
+        for name, layer in lora_layers(model).items():
+            reference.get_submodule(name).weight.add_(2.0 * layer.lora_b @ layer.lora_a)
+        for name in ("tok_emb",) if tie_weights else ("tok_emb", "lm_head"):
+            adapter, weight = getattr(model, name), getattr(reference, name).weight
+            weight[new] = adapter.trained
+            weight.add_(2.0 * adapter.lora_b @ adapter.lora_a)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=1e-10)
+    path = save_adapter(model, tmp_path / "adapter.safetensors")
+    loaded = load_adapter(model64(config), path)
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    merged = merge_lora(loaded)
+    assert isinstance(merged.tok_emb, torch.nn.Embedding) and isinstance(merged.lm_head, torch.nn.Linear)
+    assert (merged.lm_head.weight is merged.tok_emb.weight) == tie_weights
+    torch.testing.assert_close(merged(x), reference(x), rtol=0, atol=1e-10)
+    fresh = add_lora(model64(config), rank=3, alpha=6.0, targets=("tok_emb",))
+    frozen = fresh.tok_emb.base.weight.clone()
+    losses = train(fresh.train(), x, tokens(seed=3), steps=30, lr=3e-2)
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert torch.equal(fresh.tok_emb.base.weight, frozen) and fresh.tok_emb.lora_b.abs().sum() > 0
+
+
 def test_bad_arguments_are_refused_with_what_to_do():
-    with pytest.raises(ValueError, match="no Linear layer of the model is named ...attn.q_proj; its layers end with"):
+    with pytest.raises(ValueError, match="no Linear layer of the model is named ...attn.q_proj; its layers end with"
+                                         ".* or adapt tok_emb or lm_head"):
         add_lora(model64(), targets=("attn.q_proj",))
     with pytest.raises(ValueError, match="rank must be a positive integer, got 0"):
         add_lora(model64(), rank=0)
