@@ -175,5 +175,9 @@ def test_a_comparison_runs_each_method_with_each_seed_and_puts_its_cost_beside_w
         assert all(0 <= share <= 1 for share in (*result.ended.samples, *result.rouge_l.samples))
         assert [a.question for a in result.answers] == [q.question for q in questions[:2]]
     assert full.answer_loss.median < untrained  # four full steps lower the held-out answer loss
+    torch.rand(7)  # whatever ran before: LoRA's random A starts the same with the same seed
+    (again,) = compare_fine_tuning(model, tokenizer, train, val, questions[:1], methods[1:], steps=4, batch_size=4,
+                                   seeds=(1,), max_new_tokens=1)
+    assert again.answer_loss.samples == adapters.answer_loss.samples[1:]
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                  tiny_model(tokenizer).state_dict().values(), strict=True))

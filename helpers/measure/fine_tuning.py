@@ -25,6 +25,7 @@ from ..text.chat import END, ChatExample, exchange_batches, marker_ids
 from ..text.instructions import Instruction
 from ..training.batches import ExchangeBatches
 from ..training.lora import BLOCK_PROJECTIONS, add_lora
+from ..training.step import FULL, Loss
 from ..training.trainer import TrainConfig, Trainer
 from .answers import Answer, answer_questions, answer_summary
 from .memory_plan import training_step_plan
@@ -83,15 +84,18 @@ class FineTuningCost:
 
 
 def fine_tuning_cost(name: str, config: GPTConfig, batch: int, seq: int, prepare: Callable[[GPT], GPT] | None = None,
-                     *, device: str = "meta", autocast: torch.dtype | None = None,
-                     fused_attention: bool = True) -> FineTuningCost:
+                     *, device: str = "meta", autocast: torch.dtype | None = None, fused_attention: bool = True,
+                     micro_batches: int = 1, checkpointing: str | None = None, loss: Loss = FULL) -> FineTuningCost:
     """The cost of fine-tuning `GPT(config)` on (batch, seq) token batches, the model first `prepare`d (None: full
-    fine-tuning; `lora(rank)`: adapters). device "meta" plans the step; "cpu" runs and measures it."""
+    fine-tuning; `lora(rank)`: adapters). device "meta" plans the step; "cpu" runs and measures it. A step of
+    `micro_batches` batches, activation `checkpointing` and a chunked `loss` keep fewer activations: the step as
+    `training_step_plan` takes it."""
     with torch.device("meta"):
         model = GPT(config)
         state = training_state(prepare(model) if prepare is not None else model)
     plan = training_step_plan(config, batch, seq, autocast=autocast, device=device, prepare=prepare,
-                              fused_attention=fused_attention)
+                              fused_attention=fused_attention, micro_batches=micro_batches,
+                              checkpointing=checkpointing, loss=loss)
     return FineTuningCost(name, state, plan.peak_bytes)
 
 
@@ -133,6 +137,7 @@ def compare_fine_tuning(base: GPT, tokenizer, train: Sequence[ChatExample], vali
         losses, ended, rouge, seconds, first = [], [], [], [], None
         for seed in seeds:
             model = copy.deepcopy(base)
+            torch.manual_seed(seed)  # LoRA's A starts random: the same start with the same seed, whatever ran before
             if method.prepare is not None:
                 method.prepare(model)
             config = TrainConfig(steps=steps, batch_size=batch_size, lr=method.lr, min_lr=method.lr / 10,
