@@ -174,6 +174,8 @@ def test_a_comparison_runs_each_method_with_each_seed_and_puts_its_cost_beside_w
         assert result.measured_peak_bytes == pytest.approx(result.cost.peak_bytes, rel=0.02)
         assert all(0 <= share <= 1 for share in (*result.ended.samples, *result.rouge_l.samples))
         assert [a.question for a in result.answers] == [q.question for q in questions[:2]]
+        assert [a.answer for a in answer_questions(result.model, tokenizer, questions[:2], 4)] == \
+            [a.answer for a in result.answers]  # the first seed's model, as it answered
     assert full.answer_loss.median < untrained  # four full steps lower the held-out answer loss
     torch.rand(7)  # whatever ran before: LoRA's random A starts the same with the same seed
     (again,) = compare_fine_tuning(model, tokenizer, train, val, questions[:1], methods[1:], steps=4, batch_size=4,

@@ -121,6 +121,7 @@ class FineTuningResult:
     ended: Spread  # share of the held-out questions whose answer closed its turn before the limit
     rouge_l: Spread
     answers: tuple[Answer, ...]  # the first seed's, to read beside the references
+    model: GPT  # the first seed's fine-tuned model (LoRA still unmerged), to serve or question further
 
 
 def compare_fine_tuning(base: GPT, tokenizer, train: Sequence[ChatExample], validation: Sequence[ChatExample],
@@ -134,7 +135,7 @@ def compare_fine_tuning(base: GPT, tokenizer, train: Sequence[ChatExample], vali
     pad, seq = marker_ids(tokenizer)[END], base.config.context_length
     results = []
     for method in methods:
-        losses, ended, rouge, seconds, first = [], [], [], [], None
+        losses, ended, rouge, seconds, first, first_model = [], [], [], [], None, None
         for seed in seeds:
             model = copy.deepcopy(base)
             torch.manual_seed(seed)  # LoRA's A starts random: the same start with the same seed, whatever ran before
@@ -149,12 +150,12 @@ def compare_fine_tuning(base: GPT, tokenizer, train: Sequence[ChatExample], vali
             losses.append(trainer.history["val_loss"][-1])
             seconds += [batch_size * seq / rate for rate in trainer.history["tokens_per_s"][min(3, steps - 1):]]
             answers = answer_questions(model.eval(), tokenizer, questions, max_new_tokens)
-            first = answers if first is None else first
+            first, first_model = (answers, model) if first is None else (first, first_model)
             summary = answer_summary(answers)
             ended.append(summary["ended"])
             rouge.append(summary["rouge_l"])
         planned = fine_tuning_cost(method.name, base.config, batch_size, seq, method.prepare)
         measured = fine_tuning_cost(method.name, base.config, batch_size, seq, method.prepare, device=device)
         results.append(FineTuningResult(planned, measured.peak_bytes, Spread(tuple(seconds)), Spread(tuple(losses)),
-                                        Spread(tuple(ended)), Spread(tuple(rouge)), tuple(first)))
+                                        Spread(tuple(ended)), Spread(tuple(rouge)), tuple(first), first_model))
     return results
