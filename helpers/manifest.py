@@ -375,12 +375,16 @@ def mixture_of_experts_memory(p, caps):
             ("dispatch timing: three trainers", step + 2 * state_bytes(wide) + held)]
 
 
-def instruction_tuning_memory(p, caps):  # fp32 fine-tuning beside the pretrained model and its copy with markers
-    chat = small_width(p, p["VOCAB"] + 3)
-    return [("pretraining", training_step_plan(small_width(p, p["VOCAB"]), p["BATCH_SIZE"], p["CONTEXT"],
-                                               autocast=autocast_dtype(caps)).peak_bytes),
-            ("full fine-tuning, fp32", training_step_plan(chat, p["FT_BATCH"], p["CONTEXT"]).peak_bytes
-             + 8 * parameter_count(chat))]
+def instruction_tuning_memory(models_held: int = 2) -> Workloads:
+    """fp32 fine-tuning beside `models_held` fp32 models: the pretrained one and its copy with the markers, and in
+    9.1 the fine-tuned model it serves."""
+    def plan(p, caps):
+        chat = small_width(p, p["VOCAB"] + 3)
+        return [("pretraining", training_step_plan(small_width(p, p["VOCAB"]), p["BATCH_SIZE"], p["CONTEXT"],
+                                                   autocast=autocast_dtype(caps)).peak_bytes),
+                ("full fine-tuning, fp32", training_step_plan(chat, p["FT_BATCH"], p["CONTEXT"]).peak_bytes
+                 + 4 * models_held * parameter_count(chat))]
+    return plan
 
 
 # --- time on a T4, by estimate -----------------------------------------------------------------------------------
@@ -490,6 +494,9 @@ def chapter6_solutions_time(p, low, recorded_s):
         "host: the CPU's share, twice the whole notebook's recorded cpu-scale time (twice the requests)":
             2 * recorded_s,
     }, NOTEBOOK_MINUTES)
+
+
+WHERE_RUNS = 7  # 9.2's runs that ask where the adapters go: six sets of layers, and full with the embedding frozen
 
 
 def fine_tuning_time(methods: Callable[[dict], int], baseline: bool, host: tuple[str, float],
@@ -615,18 +622,19 @@ NOTEBOOKS = (
     Notebook(path="ch08_modern_llm/03_mixture_of_experts.ipynb", role="deep dive", extends=MODERN_DECODER,
              gpu_work=mixture_of_experts_memory),
     Notebook(path="ch08_modern_llm/solutions.ipynb", role="solutions", gpu_work=modern_decoder_memory(trainers_held=1)),
-    Notebook(path=INSTRUCTION_TUNING, role="deep dive", extends=PRETRAINING, gpu_work=instruction_tuning_memory,
-             t4_time=fine_tuning_time(lambda p: 1, baseline=True, host=("the instruction set, tokenizer", 30)),
+    Notebook(path=INSTRUCTION_TUNING, role="deep dive", extends=PRETRAINING, gpu_work=instruction_tuning_memory(3),
+             t4_time=fine_tuning_time(lambda p: 1, baseline=True,
+                                      host=("the instruction set, tokenizer, the server's start", 40)),
              reuses_run_of=PRETRAINING),
     Notebook(path="ch09_finetuning/02_lora.ipynb", role="deep dive", extends=PRETRAINING,
-             gpu_work=instruction_tuning_memory, reuses_run_of=PRETRAINING,
+             gpu_work=instruction_tuning_memory(), reuses_run_of=PRETRAINING,
              t4_time=fine_tuning_time(lambda p: 2 + len(p["RANKS"]), baseline=False,
-                                      sweep=lambda p: (len(p["FULL_LRS"]) + len(p["LORA_LRS"])) * p["SWEEP_STEPS"]
-                                      / p["FT_STEPS"],
+                                      sweep=lambda p: (len(p["FULL_LRS"]) + len(p["LORA_LRS"]) + WHERE_RUNS)
+                                      * p["SWEEP_STEPS"] / p["FT_STEPS"],
                                       host=("the instruction set, tokenizer, plans of GPT-2's sizes", 60)),
              prose_constants={"10%": "the chapter's target for LoRA r16's answer loss against full fine-tuning",
                               "16 bytes per parameter": "analytic: fp32 weight, gradient and two AdamW moments"}),
-    Notebook(path="ch09_finetuning/solutions.ipynb", role="solutions", gpu_work=instruction_tuning_memory,
+    Notebook(path="ch09_finetuning/solutions.ipynb", role="solutions", gpu_work=instruction_tuning_memory(),
              reuses_run_of=PRETRAINING),
 )
 ENTRIES = {notebook.path: notebook for notebook in NOTEBOOKS}  # path -> entry

@@ -165,7 +165,7 @@ def test_a_comparison_runs_each_method_with_each_seed_and_puts_its_cost_beside_w
                         TrainConfig(steps=1, batch_size=4, precision="float32", device="cpu")).evaluate()
     methods = [Method("full", None, 3e-3), Method("lora 8", lora(8, train_tokens=marker_ids(tokenizer).values()), 1e-2)]
     full, adapters = compare_fine_tuning(model, tokenizer, train, val, questions[:2], methods, steps=4, batch_size=4,
-                                         seeds=(0, 1), max_new_tokens=4)
+                                         seeds=(0, 1), max_new_tokens=4, keep_models=True)
     assert full.cost.name == "full" and adapters.cost.name == "lora 8"
     assert adapters.cost.state.trainable < full.cost.state.trainable == full.cost.state.parameters
     for result in (full, adapters):
@@ -181,5 +181,6 @@ def test_a_comparison_runs_each_method_with_each_seed_and_puts_its_cost_beside_w
     (again,) = compare_fine_tuning(model, tokenizer, train, val, questions[:1], methods[1:], steps=4, batch_size=4,
                                    seeds=(1,), max_new_tokens=1)
     assert again.answer_loss.samples == adapters.answer_loss.samples[1:]
+    assert again.model is None  # not kept unless asked
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                  tiny_model(tokenizer).state_dict().values(), strict=True))

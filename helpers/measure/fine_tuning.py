@@ -121,17 +121,18 @@ class FineTuningResult:
     ended: Spread  # share of the held-out questions whose answer closed its turn before the limit
     rouge_l: Spread
     answers: tuple[Answer, ...]  # the first seed's, to read beside the references
-    model: GPT  # the first seed's fine-tuned model (LoRA still unmerged), to serve or question further
+    model: GPT | None  # with keep_models: the first seed's fine-tuned model (LoRA unmerged), to serve or ask more
 
 
 def compare_fine_tuning(base: GPT, tokenizer, train: Sequence[ChatExample], validation: Sequence[ChatExample],
                         questions: Sequence[Instruction], methods: Sequence[Method], *, steps: int, batch_size: int,
                         seeds: Sequence[int] = (0,), max_new_tokens: int = 48, device: str = "cpu",
-                        warmup_steps: int = 0) -> list[FineTuningResult]:
+                        warmup_steps: int = 0, keep_models: bool = False) -> list[FineTuningResult]:
     """Fine-tune a copy of `base` (its vocabulary holding the chat markers) with each method and seed for `steps`
     steps of `batch_size` exchanges packed into the context (so every step is the same size, and step times
     compare), then score it on the held-out exchanges and questions. float32 throughout, so that the methods
-    differ only in what they train."""
+    differ only in what they train. keep_models: each result holds its first seed's model (otherwise none is kept:
+    a sweep of GPT-2-sized models would fill the GPU)."""
     pad, seq = marker_ids(tokenizer)[END], base.config.context_length
     results = []
     for method in methods:
@@ -150,7 +151,8 @@ def compare_fine_tuning(base: GPT, tokenizer, train: Sequence[ChatExample], vali
             losses.append(trainer.history["val_loss"][-1])
             seconds += [batch_size * seq / rate for rate in trainer.history["tokens_per_s"][min(3, steps - 1):]]
             answers = answer_questions(model.eval(), tokenizer, questions, max_new_tokens)
-            first, first_model = (answers, model) if first is None else (first, first_model)
+            if first is None:
+                first, first_model = answers, model if keep_models else None
             summary = answer_summary(answers)
             ended.append(summary["ended"])
             rouge.append(summary["rouge_l"])
