@@ -221,8 +221,8 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 def vocabulary_adapters(model: nn.Module) -> dict[str, EmbeddingAdapter | TiedHead]:
-    return {name: module for name, module in model.named_modules(remove_duplicate=False)
-            if isinstance(module, (EmbeddingAdapter, TiedHead)) and "." not in name}
+    return {name: module for name, module in model.named_modules()  # a tied head's embedding once, as tok_emb
+            if isinstance(module, (EmbeddingAdapter, TiedHead))}
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
