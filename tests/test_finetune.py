@@ -7,7 +7,7 @@ import torch
 from rouge_score import rouge_scorer
 
 from helpers.measure.answers import answer_questions, answer_summary, rouge_l
-from helpers.measure.fine_tuning import Method, compare_fine_tuning, fine_tuning_cost, lora
+from helpers.measure.fine_tuning import LORA_ALPHA, Method, compare_fine_tuning, fine_tuning_cost, lora
 from helpers.model.config import GPTConfig
 from helpers.model.gpt import GPT
 from helpers.text.bpe import train_bpe
@@ -15,7 +15,7 @@ from helpers.text.chat import END, encode_exchange, exchange_batches, marker_ids
 from helpers.text.instructions import instruction_splits
 from helpers.training.batches import ExchangeBatches
 from helpers.training.checkpoint import CheckpointError
-from helpers.training.lora import add_lora
+from helpers.training.lora import add_lora, lora_layers
 from helpers.training.trainer import TrainConfig, Trainer
 
 
@@ -121,6 +121,12 @@ def test_rouge_l_equals_rouge_scores():
 # ---- what fine-tuning costs ----
 
 COST_CONFIG = GPTConfig(vocab_size=256, context_length=64, d_model=64, n_heads=4, n_layers=2, dropout=0.0)
+
+
+def test_every_rank_shares_one_alpha_so_its_update_scale_falls_with_the_rank():
+    for rank in (4, 16, 64):
+        layers = lora_layers(lora(rank)(GPT(COST_CONFIG))).values()
+        assert {(layer.alpha, layer.scaling) for layer in layers} == {(LORA_ALPHA, LORA_ALPHA / rank)}
 
 
 def test_lora_trains_and_keeps_state_for_its_adapters_only():
