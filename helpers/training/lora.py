@@ -180,10 +180,11 @@ def add_lora(model: nn.Module, rank: int = 8, alpha: float = 16.0, dropout: floa
     return adapt_vocabulary(model, train_tokens, matrices, rank, alpha)
 
 
-def adapt_vocabulary(model: nn.Module, tokens: Iterable[int], matrices: Sequence[str], rank: int,
-                     alpha: float) -> nn.Module:
+def adapt_vocabulary(model: nn.Module, tokens: Iterable[int], matrices: Sequence[str] = (), rank: int = 0,
+                     alpha: float = 0.0) -> nn.Module:
     """Let the embedding and LM-head rows of `tokens` train, and give the `matrices` ("tok_emb", "lm_head") a LoRA
-    update (a GPT's `tok_emb` and `lm_head`: one matrix when tied)."""
+    update (a GPT's `tok_emb` and `lm_head`: one matrix when tied). The matrix itself is frozen; the rest of the model
+    is left as it is, so on its own this is full fine-tuning with the vocabulary matrix frozen."""
     tokens = sorted(set(tokens))
     vocab = model.tok_emb.num_embeddings
     if tokens and (tokens[0] < 0 or tokens[-1] >= vocab):
